@@ -1,0 +1,47 @@
+"""ds_engine: a DeepSpeed-first training engine for Hugging Face fine-tuning loops.
+
+Public names are listed in `__all__`; heavy modules load on first use so that
+`import ds_engine` stays fast and works without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ConfigError": "ds_engine.config",
+    "EngineConfig": "ds_engine.config",
+    "build_ds_config": "ds_engine.ds_config",
+    "validate_ds_config": "ds_engine.ds_config",
+    "Engine": "ds_engine.engine",
+    "OverflowAwareScheduler": "ds_engine.scheduler",
+    "estimate_memory": "ds_engine.memory",
+    "recommend_config": "ds_engine.memory",
+    "is_deepspeed_available": "ds_engine._imports",
+}
+
+__all__ = [*sorted(_LAZY), "__version__"]
+
+if TYPE_CHECKING:
+    from ds_engine._imports import is_deepspeed_available
+    from ds_engine.config import ConfigError, EngineConfig
+    from ds_engine.ds_config import build_ds_config, validate_ds_config
+    from ds_engine.engine import Engine
+    from ds_engine.memory import estimate_memory, recommend_config
+    from ds_engine.scheduler import OverflowAwareScheduler
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ds_engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,110 @@
+"""`ds-engine` command line: config | estimate | launch | consolidate | env.
+
+Every user mistake ends with exit status 2 and a one-line `ds-engine: error: ...` message
+(no traceback). Each subcommand's work lives in the module it belongs to; this file only
+parses arguments and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+class CLIError(Exception):
+    """A user error the CLI reports in one line with exit status 2."""
+
+
+# --------------------------------------------------------------------------- config
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="build (or --validate) a DeepSpeed JSON config")
+    p.set_defaults(func=_run_config)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    raise CLIError("`ds-engine config` is not available yet")
+
+
+# --------------------------------------------------------------------------- estimate
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="ZeRO-aware memory estimate for every stage/offload choice")
+    p.set_defaults(func=_run_estimate)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    raise CLIError("`ds-engine estimate` is not available yet")
+
+
+# --------------------------------------------------------------------------- launch
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run a training script on N processes / K nodes (torchrun)")
+    p.set_defaults(func=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    raise CLIError("`ds-engine launch` is not available yet")
+
+
+# --------------------------------------------------------------------------- consolidate
+def _add_consolidate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("consolidate", help="turn a ZeRO checkpoint into a from_pretrained folder, offline")
+    p.set_defaults(func=_run_consolidate)
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    raise CLIError("`ds-engine consolidate` is not available yet")
+
+
+# --------------------------------------------------------------------------- env
+def _add_env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="versions, the backend `auto` picks, and whether CPU Adam is built")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_run_env)
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from ds_engine.env import collect_env
+
+    info = collect_env()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse's own errors: keep them to one line plus the usage, exit 2.
+        self.print_usage(sys.stderr)
+        self.exit(2, f"ds-engine: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ds-engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_config, _add_estimate, _add_launch, _add_consolidate, _add_env):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ds-engine` console script."""
+    from ds_engine.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ConfigError, FileNotFoundError, ValueError, ImportError) as exc:
+        message = str(exc).strip().replace("\n", " ")
+        print(f"ds-engine: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment and install ds-engine into it.
+#
+#   bash scripts/setup_env.sh [VENV_DIR] [--no-deepspeed]
+#
+# torch is installed first, from DS_ENGINE_TORCH (default `torch==2.13.0`, the CPU wheel on
+# CPU machines here). GPU users pick their own build, e.g.
+#   DS_ENGINE_TORCH="torch==2.13.0" DS_ENGINE_TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup_env.sh
+# With --no-deepspeed the environment gets everything except DeepSpeed, which is uninstalled
+# if present: the fallback suite runs where DeepSpeed is absent, not merely hidden.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+with_deepspeed=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-deepspeed) with_deepspeed=0 ;;
+    -*) echo "setup_env.sh: unknown option $arg" >&2; exit 2 ;;
+    *) venv=$arg ;;
+  esac
+done
+python=${PYTHON:-python3}
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+torch_spec=${DS_ENGINE_TORCH:-torch==2.13.0}
+index_args=()
+if [ -n "${DS_ENGINE_TORCH_INDEX:-}" ]; then index_args=(--index-url "$DS_ENGINE_TORCH_INDEX"); fi
+echo "[setup] $venv: installing $torch_spec"
+"${pip[@]}" install -q "${index_args[@]}" "$torch_spec"
+if [ "$with_deepspeed" = 1 ]; then
+  echo "[setup] $venv: installing ds-engine[dev,deepspeed]"
+  "${pip[@]}" install -q -e ".[dev,deepspeed]"
+else
+  echo "[setup] $venv: installing ds-engine[dev] without DeepSpeed"
+  "${pip[@]}" install -q -e ".[dev]"
+  if "$venv/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+    "${pip[@]}" uninstall -q -y deepspeed
+  fi
+fi
+"$venv/bin/python" -c "import torch, ds_engine; print('[setup] ready:', '$venv', 'torch', torch.__version__, 'ds_engine', ds_engine.__version__)"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite, twice: with DeepSpeed, and where DeepSpeed is not installed at all.
+#
+#   bash scripts/test.sh [PYTEST_ARGS...]
+#
+# Sets up .venv (with DeepSpeed) and .venv-nods (without), runs ruff and mypy, then pytest
+# in each environment; exits non-zero if anything failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+bash scripts/setup_env.sh .venv || exit 1
+bash scripts/setup_env.sh .venv-nods --no-deepspeed || exit 1
+status=0
+echo "== lint: ruff + mypy"
+.venv/bin/ruff check ds_engine tests scripts || status=1
+.venv/bin/ruff format --check ds_engine tests scripts || status=1
+.venv/bin/mypy || status=1
+echo "== suite 1/2: DeepSpeed installed"
+.venv/bin/python -m pytest "$@" || status=1
+echo "== suite 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
+.venv-nods/bin/python -m pytest -m "not deepspeed" "$@" || status=1
+if [ "$status" = 0 ]; then echo "== all passed"; else echo "== FAILED"; fi
+exit $status

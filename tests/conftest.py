@@ -1,0 +1,23 @@
+"""Shared test set-up: offline Hugging Face, markers checked against the environment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from ds_engine._imports import is_deepspeed_available  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test marked `deepspeed` must never be silently skipped: in the DeepSpeed-free
+    # environment scripts/test.sh deselects them with -m "not deepspeed"; anywhere else a
+    # missing DeepSpeed is a failure, not a skip.
+    for item in items:
+        if item.get_closest_marker("nodeepspeed") and is_deepspeed_available():
+            item.add_marker(pytest.mark.skip(reason="runs only where DeepSpeed is not installed"))

@@ -1,0 +1,76 @@
+"""Run a worker script on N real CPU processes (torchrun, gloo) and collect per-rank results.
+
+Each worker writes `rank{R}.json` into the directory passed as `--out`; `run_workers` returns
+those dicts in rank order. A hard timeout kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+WORKERS = Path(__file__).parent / "workers"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+    )
+    env.update(extra or {})
+    return env
+
+
+def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `cmd` in its own session; on timeout kill the whole group and raise."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or worker_env(), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def run_workers(script: str, *args: str, nproc: int = 2, timeout: float = 600,
+                env: dict[str, str] | None = None, out_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Launch `workers/<script>` on `nproc` ranks and return each rank's JSON result."""
+    out = Path(out_dir or tempfile.mkdtemp(prefix="ds_engine_test_"))
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           str(WORKERS / script), "--out", str(out), *args]
+    result = run_command(cmd, timeout=timeout, env=worker_env(env))
+    if result.returncode != 0:
+        raise RuntimeError(f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}")
+    results = []
+    for rank in range(nproc):
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} wrote no result; output tail:\n{result.stdout[-8000:]}")
+        results.append(json.loads(path.read_text()))
+    return results
