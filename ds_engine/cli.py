@@ -39,12 +39,48 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- launch
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="run a training script on N processes / K nodes (torchrun)")
+    p = sub.add_parser(
+        "launch",
+        help="run a training script on N processes / K nodes (torchrun)",
+        description="Run SCRIPT on N processes per node (and K nodes) with torchrun's elastic launcher. "
+        "Multi-node: run the same command on every node, either with --nnodes K --node-rank R "
+        "--master-addr A --master-port P (static) or with --nnodes K --rdzv-endpoint HOST:PORT (c10d).",
+    )
+    p.add_argument("--nproc-per-node", default="1", help="processes on this node (int, or auto/cpu/gpu)")
+    p.add_argument("--nnodes", default="1", help="number of nodes (MIN:MAX with --rdzv-endpoint)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    p.add_argument("--master-addr", default=None, help="address of node 0 (static rendezvous)")
+    p.add_argument("--master-port", type=int, default=None, help="port on node 0 (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (elastic)")
+    p.add_argument("--rdzv-id", default="ds-engine", help="job id shared by all nodes (elastic)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure (default 0)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="preset name (zero3, ...) or DeepSpeed JSON; exported as DS_ENGINE_CONFIG for Engine()",
+    )
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_run_launch)
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    raise CLIError("`ds-engine launch` is not available yet")
+    from ds_engine.launch import LaunchSpec, launch
+
+    spec = LaunchSpec(
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        config=args.config,
+    )
+    return launch(spec)
 
 
 # --------------------------------------------------------------------------- consolidate

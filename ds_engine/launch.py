@@ -1,0 +1,332 @@
+"""Run a training script on N processes per node and K nodes, on top of torchrun.
+
+`ds-engine launch` is a thin, checked front end to PyTorch's elastic launcher
+(`torch.distributed.run`): it validates what it can see before anything starts (the
+script, the node layout, the DeepSpeed config), builds torchrun's own argument list, and
+calls torchrun in-process. Multi-node runs therefore behave exactly as PyTorch users know:
+
+* static rendezvous: every node runs
+  `ds-engine launch --nnodes K --node-rank R --master-addr A --master-port P ...`;
+* elastic (c10d) rendezvous: every node runs
+  `ds-engine launch --nnodes K --rdzv-endpoint HOST:PORT ...` and ranks are assigned.
+
+With `--config`, the absolute path of the DeepSpeed JSON is exported to the workers as
+`DS_ENGINE_CONFIG`, which `Engine()` (constructed without a config) picks up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Environment variable through which `--config` reaches `Engine()` in every worker.
+CONFIG_ENV = "DS_ENGINE_CONFIG"
+
+_REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work; raised before any process starts."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchSpec:
+    """What to run and where (the arguments of `ds-engine launch`)."""
+
+    script: str
+    """Path of the training script (a Python file)."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments passed to the script unchanged."""
+    nproc_per_node: str = "1"
+    """Processes per node: a positive integer, or torchrun's `auto`/`cpu`/`gpu`/`xpu`."""
+    nnodes: str = "1"
+    """Number of nodes, or `MIN:MAX` for an elastic (`--rdzv-endpoint`) run."""
+    node_rank: int | None = None
+    """This node's rank (static rendezvous with `--master-addr`)."""
+    master_addr: str | None = None
+    """Address of node 0 (static rendezvous)."""
+    master_port: int | None = None
+    """Port on node 0 (static rendezvous); torchrun's default 29500 when only the address is given."""
+    rdzv_endpoint: str | None = None
+    """`HOST:PORT` of the c10d rendezvous store (elastic rendezvous)."""
+    rdzv_id: str = "ds-engine"
+    """Job id shared by all nodes of one elastic run."""
+    max_restarts: int = 0
+    """How often torchrun restarts the group after a failure (0: a failing rank ends the run)."""
+    config: str | None = None
+    """A preset name (`zero3`, ...) or a DeepSpeed JSON file, exported as `DS_ENGINE_CONFIG`."""
+
+
+def available_presets() -> list[str]:
+    """Names of the preset DeepSpeed configs shipped in `configs/`."""
+    presets = getattr(_ds_config_module(), "PRESETS", None)
+    if presets is not None:
+        return sorted(presets)
+    return sorted(p.stem for p in _REPO_CONFIGS.glob("*.json"))
+
+
+def _ds_config_module() -> object:
+    try:
+        return importlib.import_module("ds_engine.ds_config")
+    except ImportError:
+        return None
+
+
+def _preset_path(name: str) -> Path:
+    # ds_config.preset_path is the single source of truth once it exists; until then the
+    # presets are `<repo>/configs/<name>.json`.
+    preset_path = getattr(_ds_config_module(), "preset_path", None)
+    if preset_path is None:
+        path = _REPO_CONFIGS / f"{name}.json"
+        if not path.is_file():
+            raise LaunchError(
+                f"`--config` {name!r} is neither a file nor a preset; presets: "
+                f"{', '.join(available_presets()) or '(none found)'}. "
+                "HINT: pass a preset name or the path of a DeepSpeed JSON file"
+            ) from None
+        return path
+    return Path(preset_path(name))
+
+
+def resolve_config(value: str) -> Path:
+    """Turn `--config PRESET_OR_JSON` into the absolute path of a readable JSON object.
+
+    Args:
+        value: a preset name such as `zero3`, or the path of a DeepSpeed JSON file.
+
+    Returns:
+        The absolute path of the JSON file.
+
+    Raises:
+        LaunchError: the file does not exist, is not a JSON object, or the name is no preset.
+    """
+    path = Path(value).expanduser()
+    looks_like_path = path.suffix == ".json" or os.sep in value or path.exists()
+    if looks_like_path:
+        if not path.is_file():
+            raise LaunchError(
+                f"`--config` {value!r}: no such file. "
+                f"HINT: give an existing DeepSpeed JSON or a preset ({', '.join(available_presets())})"
+            )
+    else:
+        path = _preset_path(value)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LaunchError(
+            f"`--config` {str(path)!r} is not valid JSON ({exc}). "
+            "HINT: fix the file, or build one with `ds-engine config`"
+        ) from None
+    if not isinstance(data, dict):
+        raise LaunchError(
+            f"`--config` {str(path)!r} holds a JSON {type(data).__name__}, not an object. "
+            "HINT: a DeepSpeed config is a JSON object such as {'zero_optimization': {'stage': 3}}"
+        )
+    return path.resolve()
+
+
+def _check_host_port(value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(
+            f"`--rdzv-endpoint` {value!r} is not HOST:PORT. HINT: e.g. --rdzv-endpoint node0.example:29400"
+        )
+
+
+def validate(spec: LaunchSpec) -> None:
+    """Check a launch request before anything starts.
+
+    Raises:
+        LaunchError: naming the option, its value, what is allowed, and one fix.
+    """
+    script = Path(spec.script)
+    if not script.is_file():
+        raise LaunchError(
+            f"`SCRIPT` {spec.script!r}: no such file. HINT: give the path of your training script, "
+            "e.g. ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py"
+        )
+    nproc = spec.nproc_per_node
+    if not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+        raise LaunchError(
+            f"`--nproc-per-node` {nproc!r} is not allowed; use a positive integer or one of "
+            f"{', '.join(_NPROC_WORDS)}. HINT: --nproc-per-node 2"
+        )
+    elastic = spec.rdzv_endpoint is not None
+    if not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", spec.nnodes):
+        raise LaunchError(f"`--nnodes` {spec.nnodes!r} is not N or MIN:MAX. HINT: --nnodes 2")
+    if ":" in spec.nnodes:
+        low, high = (int(x) for x in spec.nnodes.split(":"))
+        if not elastic:
+            raise LaunchError(
+                f"`--nnodes` {spec.nnodes!r}: a MIN:MAX range needs elastic rendezvous. "
+                "HINT: add --rdzv-endpoint HOST:PORT, or give a fixed --nnodes"
+            )
+        if low > high:
+            raise LaunchError(f"`--nnodes` {spec.nnodes!r}: MIN is larger than MAX. HINT: --nnodes 1:{low}")
+        max_nodes = high
+    else:
+        max_nodes = int(spec.nnodes)
+    if elastic:
+        static_opts = [
+            name
+            for name, v in (
+                ("--master-addr", spec.master_addr),
+                ("--master-port", spec.master_port),
+                ("--node-rank", spec.node_rank),
+            )
+            if v is not None
+        ]
+        if static_opts:
+            raise LaunchError(
+                f"`--rdzv-endpoint` cannot be combined with {', '.join(f'`{o}`' for o in static_opts)} "
+                "(c10d rendezvous assigns node ranks itself). "
+                "HINT: use either --rdzv-endpoint HOST:PORT or --master-addr/--master-port/--node-rank"
+            )
+        _check_host_port(str(spec.rdzv_endpoint))
+    elif max_nodes > 1 and (spec.master_addr is None or spec.node_rank is None):
+        raise LaunchError(
+            f"`--nnodes` {spec.nnodes}: a multi-node run needs `--master-addr` and `--node-rank` "
+            "(or `--rdzv-endpoint`). "
+            "HINT: on node R run --nnodes N --node-rank R --master-addr NODE0 --master-port 29500"
+        )
+    if spec.node_rank is not None and not 0 <= spec.node_rank < max_nodes:
+        raise LaunchError(
+            f"`--node-rank` {spec.node_rank} is outside 0..{max_nodes - 1} for --nnodes {spec.nnodes}. "
+            f"HINT: node ranks run from 0 to {max_nodes - 1}"
+        )
+    if spec.master_port is not None and not 0 < spec.master_port < 65536:
+        raise LaunchError(
+            f"`--master-port` {spec.master_port} is not a TCP port (1-65535). HINT: --master-port 29500"
+        )
+    if spec.max_restarts < 0:
+        raise LaunchError(f"`--max-restarts` {spec.max_restarts} is negative. HINT: --max-restarts 0")
+    if spec.config is not None:
+        resolve_config(spec.config)
+
+
+def torchrun_args(spec: LaunchSpec) -> list[str]:
+    """The argument list `torch.distributed.run` gets for `spec` (script and its args last)."""
+    args = [
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--nnodes={spec.nnodes}",
+        f"--max-restarts={spec.max_restarts}",
+    ]
+    if spec.rdzv_endpoint is not None:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+    else:
+        # Static rendezvous. With neither address nor port on one node, torchrun itself
+        # picks a free local port (c10d on localhost:0), so parallel jobs do not collide.
+        if spec.node_rank is not None:
+            args.append(f"--node-rank={spec.node_rank}")
+        if spec.master_addr is not None:
+            args.append(f"--master-addr={spec.master_addr}")
+        if spec.master_port is not None:
+            args.append(f"--master-port={spec.master_port}")
+    return [*args, str(spec.script), *spec.script_args]
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _is_local_run(spec: LaunchSpec) -> bool:
+    if spec.rdzv_endpoint is not None:
+        host = spec.rdzv_endpoint.rpartition(":")[0]
+        return host in ("localhost", "127.0.0.1", "::1", "[::1]")
+    if spec.master_addr is None:
+        return spec.nnodes == "1"
+    return spec.master_addr in ("localhost", "127.0.0.1", "::1")
+
+
+def worker_env(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables the launch adds for its workers (never overriding the user's).
+
+    * `OMP_NUM_THREADS`: the node's cores shared among its processes (at least 1), so N ranks do
+      not each start one thread per core.
+    * `GLOO_SOCKET_IFNAME`: the loopback interface when every rank is on this machine (gloo
+      otherwise binds the address the host name resolves to, which may be unreachable). On a real
+      multi-node run it is left to the user, who knows which interface connects the nodes.
+    * `DS_ENGINE_CONFIG`: the absolute path of `--config`, read by `Engine()`.
+    """
+    environ = os.environ if environ is None else environ
+    added: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in environ:
+        nproc = int(spec.nproc_per_node) if spec.nproc_per_node.isdigit() else 1
+        added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nproc)))
+    if "GLOO_SOCKET_IFNAME" not in environ and _is_local_run(spec):
+        loopback = _loopback_interface()
+        if loopback is not None:
+            added["GLOO_SOCKET_IFNAME"] = loopback
+    if spec.config is not None:
+        added[CONFIG_ENV] = str(resolve_config(spec.config))
+    return added
+
+
+@contextlib.contextmanager
+def _environment(added: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _failure_message(exc: Exception) -> str:
+    failures = getattr(exc, "failures", None) or {}
+    if not failures:
+        return f"the launch failed: {exc}"
+    rank, failure = exc.get_first_failure()  # type: ignore[attr-defined]
+    code = failure.exitcode
+    how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+    others = sorted(r for r in failures if r != rank)
+    tail = f" (also failed: ranks {', '.join(map(str, others))})" if others else ""
+    return (
+        f"rank {rank} (local rank {failure.local_rank}) {how}{tail}; the other ranks were stopped. "
+        "Its traceback is in the output above."
+    )
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Validate `spec`, then run it with torchrun's elastic launcher in this process.
+
+    Args:
+        spec: what to run and where.
+
+    Returns:
+        0 when every rank finished; 1 when a rank failed (torchrun has then stopped the others
+        and a one-line summary was printed to stderr).
+
+    Raises:
+        LaunchError: the request cannot work (nothing was started).
+    """
+    validate(spec)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    torchrun_ns = get_args_parser().parse_args(torchrun_args(spec))
+    with _environment(worker_env(spec)):
+        try:
+            torchrun(torchrun_ns)
+        except ChildFailedError as exc:
+            print(f"ds-engine launch: {_failure_message(exc)}", file=sys.stderr, flush=True)
+            return 1
+    return 0
