@@ -86,11 +86,28 @@ def _run_launch(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- consolidate
 def _add_consolidate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("consolidate", help="turn a ZeRO checkpoint into a from_pretrained folder, offline")
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder given to save_checkpoint")
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="from_pretrained folder to write")
+    p.add_argument("--tag", default=None, help="tag folder to read (default: the one in `latest`)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="output dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 1GiB")
+    p.add_argument("--config-from", default=None, help="folder holding the model's config.json")
     p.set_defaults(func=_run_consolidate)
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    raise CLIError("`ds-engine consolidate` is not available yet")
+    from ds_engine.checkpoint import consolidate_checkpoint
+
+    out = consolidate_checkpoint(
+        args.checkpoint_dir,
+        args.output_dir,
+        tag=args.tag,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        config_from=args.config_from,
+    )
+    print(f"wrote {out}")
+    return 0
 
 
 # --------------------------------------------------------------------------- env

@@ -1,0 +1,871 @@
+"""Consolidated weights and `save_pretrained` for ZeRO-partitioned (and plain) models.
+
+Three entry points, all free of module-level DeepSpeed imports:
+
+* `consolidated_state_dict` -- collective; rank 0 gets the full CPU state dict, other ranks
+  None. Under ZeRO-3 it gathers one layer at a time (per submodule), so rank 0 holds about one
+  copy of the weights, and it needs no DeepSpeed flag set before `initialize`.
+* `save_pretrained` -- collective; gathers and writes shard by shard, so rank 0 never holds
+  more than one shard plus one layer. Output is a transformers-compatible folder (safetensors,
+  index, `config.json`, tokenizer) written atomically.
+* `consolidate_checkpoint` -- offline (no process group): a DeepSpeed ZeRO checkpoint folder
+  to a `from_pretrained` folder, loading lazily so memory stays about one copy.
+
+How the model config travels with a checkpoint: `consolidate_checkpoint` looks for an HF
+`config.json` in the tag folder, then in the checkpoint folder, then in its parent (the
+Engine writes `config.json` next to its checkpoints); `config_from=` overrides the search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "consolidate_checkpoint",
+    "consolidated_state_dict",
+    "parse_size",
+    "save_pretrained",
+]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# --------------------------------------------------------------------------- sizes
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a byte size such as ``"5GB"``, ``"500MB"``, ``"1GiB"`` or an int.
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB)
+    powers of 1024, as in transformers' `max_shard_size`.
+
+    Args:
+        size: A positive int (bytes) or a string of digits followed by an optional unit.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: When `size` is not a positive size in a known unit.
+    """
+    allowed = "a positive int or digits with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"`max_shard_size`={size!r} is not a size; allowed: {allowed}. HINT: use '5GB'.")
+    if isinstance(size, int):
+        value = size
+    else:
+        match = _SIZE_RE.match(size)
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"`max_shard_size`={size!r} is not a size; allowed: {allowed}. HINT: use '500MB'."
+            )
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"`max_shard_size`={size!r} must be positive; allowed: {allowed}. HINT: use '5GB'.")
+    return value
+
+
+# --------------------------------------------------------------------------- process group
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist_ready() else 0
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (identity without a process group)."""
+    if not _dist_ready() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --------------------------------------------------------------------------- planning
+def _is_zero3(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_id") and hasattr(tensor, "ds_status")
+
+
+def _full_shape(tensor: torch.Tensor) -> torch.Size:
+    return tensor.ds_shape if _is_zero3(tensor) else tensor.shape  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Entry:
+    """One state-dict key: the live parameter/buffer it reads and who owns it."""
+
+    key: str
+    tensor: torch.Tensor  # the live Parameter / buffer object (partitioned under ZeRO-3)
+    owner: int  # id() of the owning submodule: entries of one owner are gathered together
+    is_param: bool
+    shape: torch.Size  # the full (unpartitioned) shape
+    out_dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= int(dim)
+        return numel * torch.empty((), dtype=self.out_dtype).element_size()
+
+
+def _owners(module: nn.Module) -> dict[int, int]:
+    """id(tensor) -> id(owning submodule), the first owner in `named_modules` order."""
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        for tensor in [*sub._parameters.values(), *sub._buffers.values()]:
+            if tensor is not None:
+                owners.setdefault(id(tensor), id(sub))
+    return owners
+
+
+def _model_float_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _plan(module: nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool) -> list[_Entry]:
+    """The keys `module.state_dict()` would produce, bound to their live tensors, in order.
+
+    `state_dict(keep_vars=True)` returns the parameter and buffer objects themselves (no copy,
+    and under ZeRO-3 no gather), so key names, persistent-buffer filtering, shared submodules
+    and state-dict hooks all match `module.state_dict()` exactly.
+    """
+    live = module.state_dict(keep_vars=True)
+    param_ids = {id(p) for p in module.parameters()}
+    owners = _owners(module)
+    entries = []
+    for key, tensor in live.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue  # e.g. `_extra_state` objects: not weights
+        is_param = id(tensor) in param_ids
+        if exclude_frozen and is_param and not tensor.requires_grad:
+            continue
+        out_dtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        entries.append(
+            _Entry(key, tensor, owners.get(id(tensor), -1), is_param, _full_shape(tensor), out_dtype)
+        )
+    return entries
+
+
+def _groups(entries: list[_Entry]) -> Iterator[list[_Entry]]:
+    """Consecutive runs of entries owned by one submodule (the unit of one ZeRO-3 gather)."""
+    run: list[_Entry] = []
+    for entry in entries:
+        if run and entry.owner != run[-1].owner:
+            yield run
+            run = []
+        run.append(entry)
+    if run:
+        yield run
+
+
+# --------------------------------------------------------------------------- gathering
+def _master_fp32(tensor: torch.Tensor, ds_engine: Any) -> torch.Tensor | None:
+    """The fp32 master copy the optimizer holds for `tensor` (collective), or None."""
+    if ds_engine is None or getattr(ds_engine, "optimizer", None) is None or not tensor.requires_grad:
+        return None
+    if _is_zero3(tensor) and getattr(tensor, "_z3_optimizer", None) is None:
+        return None
+    if not _is_zero3(tensor) and not hasattr(tensor, "_hp_mapping"):
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(tensor)
+
+
+@contextlib.contextmanager
+def _gathered(tensors: list[torch.Tensor]) -> Iterator[None]:
+    partitioned = [t for t in tensors if _is_zero3(t)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    # modifier_rank=None: read-only, so leaving the context re-partitions without a broadcast.
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+def _check_not_empty(entry: _Entry, value: torch.Tensor) -> None:
+    expected = 1
+    for dim in entry.shape:
+        expected *= int(dim)
+    if value.numel() != expected:
+        raise RuntimeError(
+            f"consolidating `{entry.key}` gave a tensor of {value.numel()} elements (shape "
+            f"{tuple(value.shape)}) but the parameter has {expected} (shape {tuple(entry.shape)}); "
+            "refusing to save an empty or partial tensor. HINT: call this on every rank (it is "
+            "collective) with the unwrapped module of the live DeepSpeed engine (`engine.module`)."
+        )
+
+
+def _collect(
+    entries: list[_Entry], *, ds_engine: Any, want_master: bool, keep: bool
+) -> dict[str, torch.Tensor] | None:
+    """Gather `entries` group by group; return CPU copies when `keep` (rank 0), else None.
+
+    Every rank must call this with the same entries: the gathers are collective.
+    """
+    out: dict[str, torch.Tensor] | None = {} if keep else None
+    done: dict[int, str] = {}  # id(live tensor) -> first key, so tied keys share one copy
+    for group in _groups(entries):
+        masters: dict[int, torch.Tensor] = {}
+        if want_master:
+            for entry in group:
+                if entry.is_param and id(entry.tensor) not in masters and id(entry.tensor) not in done:
+                    master = _master_fp32(entry.tensor, ds_engine)
+                    if master is not None:
+                        masters[id(entry.tensor)] = master
+        to_gather = [e.tensor for e in group if id(e.tensor) not in masters and id(e.tensor) not in done]
+        with _gathered(to_gather):
+            for entry in group:
+                ident = id(entry.tensor)
+                if ident in done:
+                    if out is not None:
+                        out[entry.key] = out[done[ident]]
+                    continue
+                value = masters.get(ident, entry.tensor).detach()
+                _check_not_empty(entry, value)
+                if out is not None:
+                    out[entry.key] = value.reshape(entry.shape).to(
+                        device="cpu", dtype=entry.out_dtype, copy=True
+                    )
+                done[ident] = entry.key
+        masters.clear()
+    return out
+
+
+def _prologue(ds_engine: Any) -> None:
+    optimizer = getattr(ds_engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "checkpoint_event_prologue"):
+        optimizer.checkpoint_event_prologue()  # brings offloaded (NVMe) partitions back
+
+
+def _epilogue(ds_engine: Any) -> None:
+    optimizer = getattr(ds_engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "checkpoint_event_epilogue"):
+        optimizer.checkpoint_event_epilogue()
+
+
+def consolidated_state_dict(
+    module: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    ds_engine: Any = None,
+) -> dict[str, torch.Tensor] | None:
+    """Collect the full state dict of `module` on rank 0 (collective: every rank calls it).
+
+    Under ZeRO-3 the partitions are gathered one submodule at a time and copied to CPU on
+    rank 0 only, so rank 0 holds about one copy of the weights plus one layer; no DeepSpeed
+    flag (`stage3_gather_16bit_weights_on_model_save`) is needed.
+
+    Args:
+        module: The unwrapped model (`ds_engine.module` for a DeepSpeedEngine).
+        dtype: Dtype of floating-point tensors in the result. None keeps the training dtype
+            (16-bit under fp16/bf16 training). `torch.float32` with `ds_engine` given returns
+            the optimizer's fp32 master weights (parameters without a master copy, such as
+            frozen ones, are cast up).
+        exclude_frozen: Leave out parameters with `requires_grad=False` (buffers are kept).
+        ds_engine: The DeepSpeedEngine that trains `module`; needed for fp32 master weights.
+
+    Returns:
+        On rank 0 (or without a process group) a dict with exactly the keys of
+        `module.state_dict()` mapping to CPU tensors (tied keys share one tensor); None on
+        other ranks.
+
+    Raises:
+        RuntimeError: When a gathered tensor does not have its parameter's full size.
+    """
+    entries = _plan(module, dtype=dtype, exclude_frozen=exclude_frozen)
+    want_master = dtype == torch.float32 and ds_engine is not None
+    _prologue(ds_engine)
+    try:
+        return _collect(entries, ds_engine=ds_engine, want_master=want_master, keep=_rank() == 0)
+    finally:
+        _epilogue(ds_engine)
+
+
+# --------------------------------------------------------------------------- tied weights
+def _any(module: nn.Module) -> Any:
+    """`module` typed as Any, for transformers helpers annotated with `PreTrainedModel`."""
+    return module
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and hasattr(config, "save_pretrained") and hasattr(config, "to_dict")
+
+
+def _drop_tied(module: nn.Module, entries: list[_Entry]) -> list[_Entry]:
+    """Drop tied duplicates the way transformers' own `save_pretrained` does.
+
+    For HF models transformers' `remove_tied_weights_from_state_dict` decides which alias to
+    keep (it needs the `_tied_weights_keys` patterns); it is fed one small proxy tensor per
+    live tensor, so aliases share storage exactly as the real weights do. Plain modules keep
+    the first key of each alias group (safetensors cannot store aliases).
+    """
+    if not _is_hf_model(module):
+        seen: set[int] = set()
+        kept = []
+        for entry in entries:
+            if id(entry.tensor) not in seen:
+                seen.add(id(entry.tensor))
+                kept.append(entry)
+        return kept
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    proxies: dict[int, torch.Tensor] = {}
+    proxy_sd = {e.key: proxies.setdefault(id(e.tensor), torch.empty(1)) for e in entries}
+    for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+        proxy_sd.pop(key, None)
+    kept_keys = set(remove_tied_weights_from_state_dict(proxy_sd, _any(module)))
+    return [e for e in entries if e.key in kept_keys]
+
+
+def _needs_weight_conversion(module: nn.Module) -> bool:
+    """True when transformers would rename/convert weights on save (e.g. fused MoE experts)."""
+    if not _is_hf_model(module):
+        return False
+    conversions = getattr(module, "_weight_conversions", None)
+    if conversions is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return False
+        conversions = get_model_conversion_mapping(_any(module), add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    return bool(conversions)
+
+
+# --------------------------------------------------------------------------- sharding
+@dataclass
+class _Shard:
+    filename: str
+    entries: list[_Entry]
+
+
+def _split(entries: list[_Entry], max_bytes: int, weights_name: str) -> list[_Shard]:
+    """Split like huggingface_hub: in order, a new shard when the next tensor would overflow."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry.nbytes
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    if len(shards) == 1:
+        return [_Shard(weights_name, shards[0])]
+    stem, ext = weights_name.rsplit(".", 1)
+    total = len(shards)
+    return [_Shard(f"{stem}-{i + 1:05d}-of-{total:05d}.{ext}", s) for i, s in enumerate(shards)]
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+        _fsync_file(path)
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+    _fsync_file(path)
+
+
+def _write_json(path: Path, content: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _fsync_file(path)
+
+
+# --------------------------------------------------------------------------- atomic folder
+def _tmp_sibling(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}"
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the finished `tmp` folder to `target`, replacing an existing one safely."""
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            _fsync_file(path)
+    _fsync_dir(tmp)
+    if target.exists():
+        old = _tmp_sibling(target, "old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def _preflight(save_directory: Path, module: nn.Module | None, tokenizer: Any) -> str:
+    """'' when saving can start, else the error message (checked before any collective)."""
+    if save_directory.exists() and not save_directory.is_dir():
+        return (
+            f"`save_directory`={str(save_directory)!r} is a file, not a directory. "
+            "HINT: pass a directory path (it is created, or replaced atomically if it exists)."
+        )
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        return (
+            f"`tokenizer` of type {type(tokenizer).__name__} has no `save_pretrained`; allowed: a "
+            "transformers tokenizer or processor. HINT: pass the tokenizer from AutoTokenizer."
+        )
+    if tokenizer is not None and module is not None and not _is_hf_model(module):
+        return (
+            f"`tokenizer` was given but the model ({type(module).__name__}) is not a transformers "
+            "model (no `config`), so the folder could not be loaded with from_pretrained anyway. "
+            "HINT: save the tokenizer separately with `tokenizer.save_pretrained(dir)`."
+        )
+    return ""
+
+
+def _save_hf_config(module: nn.Module, directory: Path, weights_dtype: torch.dtype | None) -> None:
+    config: Any = copy.deepcopy(module.config)  # do not touch the live model's config
+    config.architectures = [type(module).__name__]
+    if weights_dtype is not None:
+        config.dtype = str(weights_dtype).split(".")[-1]
+    config.save_pretrained(str(directory))
+    can_generate = getattr(module, "can_generate", None)
+    generation_config = getattr(module, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation_config is not None:
+        generation_config.save_pretrained(str(directory))
+
+
+def _check_given_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    shapes = {name: _full_shape(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    for key, value in state_dict.items():
+        if key in shapes and shapes[key].numel() > 0 and value.numel() == 0:
+            raise RuntimeError(
+                f"`state_dict[{key!r}]` has 0 elements but the model parameter has shape "
+                f"{tuple(shapes[key])}; refusing to write an empty tensor (under ZeRO-3 "
+                "`module.state_dict()` returns empty partitions). HINT: leave `state_dict=None` "
+                "so save_pretrained gathers the weights itself."
+            )
+
+
+def save_pretrained(
+    module: nn.Module,
+    save_directory: str | os.PathLike[str],
+    *,
+    ds_engine: Any = None,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    dtype: torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `module` as a `from_pretrained` folder (collective: every rank calls it).
+
+    Weights are gathered and written shard by shard: under ZeRO-3 rank 0 never holds more
+    than one shard plus one layer. Rank 0 writes safetensors (`model.safetensors`, or
+    `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` past
+    `max_shard_size`), `config.json` (and `generation_config.json`) for transformers models,
+    and the tokenizer. Tied duplicates are dropped as transformers' `save_pretrained` drops
+    them. Everything goes into a hidden sibling folder `.<name>.tmp-<pid>` first, is fsynced,
+    then renamed over `save_directory` (an existing folder is moved aside, replaced, then
+    deleted), so a crash never leaves a folder that looks complete.
+
+    Args:
+        module: The unwrapped model (`ds_engine.module` for a DeepSpeedEngine); a transformers
+            `PreTrainedModel` or any `nn.Module` (then only weights are written).
+        save_directory: Target folder; created, or replaced atomically.
+        ds_engine: The DeepSpeedEngine training `module`; needed for fp32 master weights.
+        tokenizer: Optional tokenizer saved with `tokenizer.save_pretrained` (HF models only).
+        max_shard_size: Largest shard, e.g. "5GB", "500MB", "1GiB" or bytes.
+        safe_serialization: safetensors (True) or `pytorch_model.bin` via torch.save (False).
+        dtype: As in `consolidated_state_dict` (None: the training dtype).
+        exclude_frozen: Leave out parameters with `requires_grad=False`.
+        state_dict: Write this (rank 0's) dict instead of gathering the weights.
+
+    Raises:
+        ValueError: For a bad `max_shard_size`, a `save_directory` that is a file, or a
+            tokenizer that cannot be saved with this model.
+        RuntimeError: When a tensor would be written empty, or rank 0 failed to write.
+    """
+    max_bytes = parse_size(max_shard_size)
+    target = Path(save_directory).absolute()
+    rank = _rank()
+    problem = _broadcast_from_rank0(_preflight(target, module, tokenizer) if rank == 0 else None)
+    if problem:
+        raise ValueError(problem)
+
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+    is_hf = _is_hf_model(module)
+    tmp = _tmp_sibling(target, "tmp")
+    error: BaseException | None = None
+
+    def on_rank0(step: Any, *args: Any) -> None:
+        # rank 0 keeps taking part in the collectives after a write error, so no rank hangs;
+        # the error is re-raised on every rank at the end.
+        nonlocal error
+        if rank == 0 and error is None:
+            try:
+                step(*args)
+            except BaseException as exc:  # re-raised below on every rank
+                error = exc
+
+    def start() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    on_rank0(start)
+
+    if state_dict is not None:
+        shards = _write_given_state_dict(
+            module, state_dict, tmp, weights_name, max_bytes, on_rank0, safe_serialization, dtype
+        )
+        saved_dtype = dtype
+    else:
+        entries = _plan(module, dtype=dtype, exclude_frozen=exclude_frozen)
+        want_master = dtype == torch.float32 and ds_engine is not None
+        saved_dtype = dtype or _model_float_dtype(module)
+        if _needs_weight_conversion(module):
+            # transformers renames/fuses some weights on save (many-to-one across layers), so the
+            # whole dict is needed at once: gather it, then let transformers revert the mapping.
+            from transformers.core_model_loading import revert_weight_conversion
+
+            _prologue(ds_engine)
+            try:
+                full = _collect(entries, ds_engine=ds_engine, want_master=want_master, keep=rank == 0)
+            finally:
+                _epilogue(ds_engine)
+            shards = _write_given_state_dict(
+                module,
+                revert_weight_conversion(_any(module), full) if full is not None else None,
+                tmp,
+                weights_name,
+                max_bytes,
+                on_rank0,
+                safe_serialization,
+                None,
+            )
+        else:
+            entries = _drop_tied(module, entries)
+            shards = _split(entries, max_bytes, weights_name)
+            _prologue(ds_engine)
+            try:
+                for shard in shards:
+                    tensors = _collect(
+                        shard.entries,
+                        ds_engine=ds_engine,
+                        want_master=want_master,
+                        keep=rank == 0 and error is None,
+                    )
+                    if tensors is not None:
+                        on_rank0(_write_weights, tensors, tmp / shard.filename, safe_serialization)
+                    del tensors
+            finally:
+                _epilogue(ds_engine)
+
+    def finish() -> None:
+        if len(shards) > 1:
+            weight_map = {e.key: s.filename for s in shards for e in s.entries}
+            metadata: dict[str, Any] = {"total_size": sum(e.nbytes for s in shards for e in s.entries)}
+            if is_hf:
+                metadata["total_parameters"] = sum(_full_shape(p).numel() for p in module.parameters())
+            _write_json(tmp / index_name, {"metadata": metadata, "weight_map": weight_map})
+        if is_hf:
+            _save_hf_config(module, tmp, saved_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _publish(tmp, target)
+
+    on_rank0(finish)
+    if rank == 0 and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    failure = _broadcast_from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"rank 0 failed to write {str(target)!r}: {failure}")
+
+
+def _write_given_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor] | None,
+    tmp: Path,
+    weights_name: str,
+    max_bytes: int,
+    on_rank0: Any,
+    safe_serialization: bool,
+    dtype: torch.dtype | None,
+) -> list[_Shard]:
+    """Shard and write an already-consolidated dict (rank 0); returns the shard plan."""
+    if state_dict is None or _rank() != 0:
+        return []
+    _check_given_state_dict(module, state_dict)
+    if _is_hf_model(module):
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        given = dict(state_dict)
+        for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+            given.pop(key, None)
+        state_dict = remove_tied_weights_from_state_dict(given, _any(module))
+    entries = []
+    for key, value in state_dict.items():
+        out_dtype = dtype if (dtype is not None and value.is_floating_point()) else value.dtype
+        entries.append(_Entry(key, value, 0, False, value.shape, out_dtype))
+    if not _is_hf_model(module):
+        entries = _drop_aliases(entries)
+    shards = _split(entries, max_bytes, weights_name)
+    for shard in shards:
+        tensors = {
+            e.key: e.tensor.detach().to(device="cpu", dtype=e.out_dtype).contiguous() for e in shard.entries
+        }
+        on_rank0(_write_weights, tensors, tmp / shard.filename, safe_serialization)
+    return shards
+
+
+def _drop_aliases(entries: list[_Entry]) -> list[_Entry]:
+    """Keep the first key of each group of tensors sharing storage (safetensors refuses aliases)."""
+    seen: set[tuple[Any, ...]] = set()
+    kept = []
+    for entry in entries:
+        t = entry.tensor
+        ident = (
+            (t.device, t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (None, id(t), 0)
+        )
+        if ident not in seen:
+            seen.add(ident)
+            kept.append(entry)
+    return kept
+
+
+# --------------------------------------------------------------------------- offline
+def _listing(path: Path, limit: int = 12) -> str:
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "an empty folder"
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} entries)" if len(names) > limit else "")
+
+
+def _resolve_tag(checkpoint_dir: Path, tag: str | None) -> tuple[str, Path]:
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint folder {str(checkpoint_dir)!r} does not exist (or is not a folder). "
+            "HINT: pass the folder given to `save_checkpoint` (the one holding `latest`)."
+        )
+    if tag is None:
+        latest = checkpoint_dir / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(
+                f"{str(checkpoint_dir)!r} has no `latest` file, so no tag to consolidate; found: "
+                f"{_listing(checkpoint_dir)}. HINT: pass `--tag TAG` (a sub-folder name) or the "
+                "folder given to `save_checkpoint`."
+            )
+        tag = latest.read_text().strip()
+    tag_dir = checkpoint_dir / tag
+    if not tag_dir.is_dir():
+        tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir()]
+        raise FileNotFoundError(
+            f"tag {tag!r} not found in {str(checkpoint_dir)!r}; tags found: {sorted(tags) or 'none'}. "
+            "HINT: pass one of them with `--tag`."
+        )
+    if not list(tag_dir.glob("*model_states.pt")):
+        raise ValueError(
+            f"{str(tag_dir)!r} is not a DeepSpeed checkpoint (no `*model_states.pt`); found: "
+            f"{_listing(tag_dir)}. HINT: point at a folder written by `engine.save_checkpoint`."
+        )
+    return tag, tag_dir
+
+
+def _find_config(
+    checkpoint_dir: Path, tag_dir: Path, config_from: str | os.PathLike[str] | None
+) -> Path | None:
+    if config_from is not None:
+        path = Path(config_from)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"`config_from`={str(config_from)!r} holds no `config.json`. "
+                "HINT: pass the folder of the original model (the one given to from_pretrained)."
+            )
+        return path
+    for folder in (tag_dir, checkpoint_dir, checkpoint_dir.parent):
+        if (folder / "config.json").is_file():
+            return folder / "config.json"
+    return None
+
+
+def _load_zero0_module(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The full module state dict a ZeRO-0 checkpoint stores in its model-states file."""
+    path = sorted(tag_dir.glob("*model_states.pt"))[0]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # DeepSpeed pickles its own objects too
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    module = state.get("module") if isinstance(state, dict) else None
+    if not isinstance(module, dict):
+        raise ValueError(f"{str(path)!r} holds no `module` state dict. HINT: is this a DeepSpeed checkpoint?")
+    return module
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | str = "5GB",
+    config_from: str | os.PathLike[str] | None = None,
+    safe_serialization: bool = True,
+) -> Path:
+    """Turn a DeepSpeed ZeRO checkpoint into a `from_pretrained` folder, offline.
+
+    No process group is needed. The fp32 master weights are read with DeepSpeed's own
+    `zero_to_fp32` reader in lazy mode and materialised one shard at a time, so memory stays
+    about one copy of the weights. ZeRO-0 checkpoints (no partitions) are read from their
+    model-states file. The HF `config.json` (and `generation_config.json`) is taken from
+    `config_from`, else from the tag folder, the checkpoint folder, or its parent, in that
+    order; without one only the weights are written.
+
+    Args:
+        checkpoint_dir: The folder given to `save_checkpoint` (holds `latest` and tag folders).
+        output_dir: Target folder; created, or replaced atomically.
+        tag: Tag folder to read; default: the one named in `latest`.
+        dtype: Output dtype of floating-point tensors: a torch dtype or "fp32", "bf16", "fp16".
+        max_shard_size: Largest shard, e.g. "5GB".
+        config_from: A folder (or file) holding the model's `config.json`.
+        safe_serialization: safetensors (True) or `pytorch_model.bin` (False).
+
+    Returns:
+        The output folder.
+
+    Raises:
+        FileNotFoundError: Missing checkpoint folder, `latest` file, tag or config.
+        ValueError: A folder that is not a DeepSpeed checkpoint, or a bad dtype / shard size.
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"`dtype`={dtype!r} is not allowed; allowed: {sorted(_DTYPES)}. HINT: use 'fp32'."
+            )
+        dtype = _DTYPES[dtype]
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"`dtype`={dtype} is not allowed; allowed: torch.float32, bfloat16, float16.")
+    max_bytes = parse_size(max_shard_size)
+    checkpoint = Path(checkpoint_dir).absolute()
+    target = Path(output_dir).absolute()
+    tag, tag_dir = _resolve_tag(checkpoint, tag)
+    config_path = _find_config(checkpoint, tag_dir, config_from)
+    problem = _preflight(target, None, None)
+    if problem:
+        raise ValueError(problem)
+
+    if list(tag_dir.glob("*optim_states.pt")) and _zero_stage(tag_dir) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        lazy: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
+            str(checkpoint), tag=tag, lazy_mode=True
+        )
+    else:
+        lazy = _load_zero0_module(tag_dir)
+
+    entries = []
+    seen: set[int] = set()
+    for key, value in lazy.items():
+        if id(value) in seen:  # tied weights: DeepSpeed lists the alias after its source
+            continue
+        seen.add(id(value))
+        out_dtype = dtype if value.dtype.is_floating_point else value.dtype
+        entries.append(_Entry(key, value, 0, True, torch.Size(value.shape), out_dtype))
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    shards = _split(entries, max_bytes, weights_name)
+
+    tmp = _tmp_sibling(target, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for shard in shards:
+            tensors = {}
+            for entry in shard.entries:
+                tensors[entry.key] = entry.tensor.contiguous().to(dtype=entry.out_dtype)
+                _check_not_empty(entry, tensors[entry.key])
+            _write_weights(tensors, tmp / shard.filename, safe_serialization)
+            del tensors
+        if len(shards) > 1:
+            index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+            weight_map = {e.key: s.filename for s in shards for e in s.entries}
+            total = sum(e.nbytes for s in shards for e in s.entries)
+            _write_json(tmp / index_name, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if config_path is not None:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config["dtype"] = str(dtype).split(".")[-1]
+            config.pop("torch_dtype", None)
+            _write_json(tmp / "config.json", config)
+            generation = config_path.parent / "generation_config.json"
+            if generation.is_file():
+                shutil.copyfile(generation, tmp / generation.name)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _zero_stage(tag_dir: Path) -> int:
+    """The ZeRO stage recorded in the first optimizer-states file (0 when unreadable)."""
+    path = sorted(tag_dir.glob("*optim_states.pt"))[0]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        return 0
+    optim = state.get("optimizer_state_dict", {}) if isinstance(state, dict) else {}
+    return int(optim.get("zero_stage", 0)) if isinstance(optim, dict) else 0
