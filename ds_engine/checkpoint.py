@@ -562,53 +562,51 @@ def save_pretrained(
         tmp.mkdir(parents=True)
 
     on_rank0(start)
+    shards: list[_Shard] = []
+    saved_dtype = dtype
 
-    if state_dict is not None:
-        shards = _write_given_state_dict(
-            module, state_dict, tmp, weights_name, max_bytes, on_rank0, safe_serialization, dtype
-        )
-        saved_dtype = dtype
-    else:
-        entries = _plan(module, dtype=dtype, exclude_frozen=exclude_frozen)
-        want_master = dtype == torch.float32 and ds_engine is not None
-        saved_dtype = dtype or _model_float_dtype(module)
-        if _needs_weight_conversion(module):
-            # transformers renames/fuses some weights on save (many-to-one across layers), so the
-            # whole dict is needed at once: gather it, then let transformers revert the mapping.
-            from transformers.core_model_loading import revert_weight_conversion
-
-            _prologue(ds_engine)
-            try:
-                full = _collect(entries, ds_engine=ds_engine, want_master=want_master, keep=rank == 0)
-            finally:
-                _epilogue(ds_engine)
-            shards = _write_given_state_dict(
-                module,
-                revert_weight_conversion(_any(module), full) if full is not None else None,
-                tmp,
-                weights_name,
-                max_bytes,
-                on_rank0,
-                safe_serialization,
-                None,
+    def write_given(given: Mapping[str, torch.Tensor] | None, cast: torch.dtype | None) -> None:
+        if given is not None:
+            shards.extend(
+                _write_given_state_dict(module, given, tmp, weights_name, max_bytes, safe_serialization, cast)
             )
+
+    try:
+        if state_dict is not None:
+            on_rank0(write_given, state_dict, dtype)
         else:
-            entries = _drop_tied(module, entries)
-            shards = _split(entries, max_bytes, weights_name)
+            entries = _plan(module, dtype=dtype, exclude_frozen=exclude_frozen)
+            want_master = dtype == torch.float32 and ds_engine is not None
+            saved_dtype = dtype or _model_float_dtype(module)
             _prologue(ds_engine)
             try:
-                for shard in shards:
-                    tensors = _collect(
-                        shard.entries,
-                        ds_engine=ds_engine,
-                        want_master=want_master,
-                        keep=rank == 0 and error is None,
-                    )
-                    if tensors is not None:
-                        on_rank0(_write_weights, tensors, tmp / shard.filename, safe_serialization)
-                    del tensors
+                if _needs_weight_conversion(module):
+                    # transformers renames/fuses some weights on save (many-to-one across layers),
+                    # so the whole dict is needed at once: gather it, then let transformers revert
+                    # the mapping. This path holds one full copy on rank 0 (like transformers).
+                    from transformers.core_model_loading import revert_weight_conversion
+
+                    full = _collect(entries, ds_engine=ds_engine, want_master=want_master, keep=rank == 0)
+                    if full is not None:
+                        on_rank0(write_given, revert_weight_conversion(_any(module), full), None)
+                    del full
+                else:
+                    shards = _split(_drop_tied(module, entries), max_bytes, weights_name)
+                    for shard in shards:
+                        keep = rank == 0 and error is None
+                        tensors = _collect(
+                            shard.entries, ds_engine=ds_engine, want_master=want_master, keep=keep
+                        )
+                        if tensors is not None:
+                            on_rank0(_write_weights, tensors, tmp / shard.filename, safe_serialization)
+                        del tensors
             finally:
                 _epilogue(ds_engine)
+    except BaseException:
+        # raised on every rank alike (e.g. an empty gathered tensor): no half-written folder
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def finish() -> None:
         if len(shards) > 1:
@@ -635,17 +633,14 @@ def save_pretrained(
 
 def _write_given_state_dict(
     module: nn.Module,
-    state_dict: Mapping[str, torch.Tensor] | None,
+    state_dict: Mapping[str, torch.Tensor],
     tmp: Path,
     weights_name: str,
     max_bytes: int,
-    on_rank0: Any,
     safe_serialization: bool,
     dtype: torch.dtype | None,
 ) -> list[_Shard]:
-    """Shard and write an already-consolidated dict (rank 0); returns the shard plan."""
-    if state_dict is None or _rank() != 0:
-        return []
+    """Shard and write an already-consolidated dict (rank 0 only); returns the shard plan."""
     _check_given_state_dict(module, state_dict)
     if _is_hf_model(module):
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -665,7 +660,7 @@ def _write_given_state_dict(
         tensors = {
             e.key: e.tensor.detach().to(device="cpu", dtype=e.out_dtype).contiguous() for e in shard.entries
         }
-        on_rank0(_write_weights, tensors, tmp / shard.filename, safe_serialization)
+        _write_weights(tensors, tmp / shard.filename, safe_serialization)
     return shards
 
 
