@@ -404,8 +404,10 @@ _STAGE3_FIELDS = (
 _FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
 
-def _check_combinations(cfg: EngineConfig, *, only_explicit: bool) -> None:
-    problems = _combination_problems(cfg)
+def _check_combinations(
+    cfg: EngineConfig, *, only_explicit: bool, defer: frozenset[str] = frozenset()
+) -> None:
+    problems = [p for p in _combination_problems(cfg) if not p[0] & defer]
     if only_explicit:
         # A field left at its default may still be filled by a base JSON: defer those rules.
         problems = [p for p in problems if p[0] <= cfg.explicit_fields]
@@ -597,7 +599,11 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def resolve_engine_config(
-    config: EngineConfig, base: Mapping[str, Any] | None, *, where: str = ""
+    config: EngineConfig,
+    base: Mapping[str, Any] | None,
+    *,
+    where: str = "",
+    defer: frozenset[str] = frozenset(),
 ) -> EngineConfig:
     """Merge a DeepSpeed JSON base into the high-level choices.
 
@@ -608,6 +614,7 @@ def resolve_engine_config(
         config: The user's choices.
         base: A loaded DeepSpeed JSON (see `load_json_config`), or None.
         where: The base's file name, for messages.
+        defer: Fields filled later (e.g. {"nvme_path"} for a preset): rules on them are skipped.
 
     Returns:
         The effective choices (same `explicit_fields` as `config`), with every cross-field
@@ -638,5 +645,5 @@ def resolve_engine_config(
                 'HINT: remove those keys from the base (or set them to "auto"), or drop the explicit choices'
             )
     resolved = EngineConfig(**values, _explicit=frozenset(explicit))
-    _check_combinations(resolved, only_explicit=False)
+    _check_combinations(resolved, only_explicit=False, defer=defer)
     return resolved
