@@ -18,13 +18,68 @@ class CLIError(Exception):
 
 
 # --------------------------------------------------------------------------- config
+_CONFIG_CHOICES: dict[str, tuple[type, dict]] = {
+    # EngineConfig field -> (argparse type, extra add_argument kwargs); only given flags are explicit.
+    "zero_stage": (int, {"choices": [0, 1, 2, 3]}),
+    "precision": (str, {"choices": ["fp32", "fp16", "bf16"]}),
+    "gradient_accumulation_steps": (int, {}),
+    "gradient_clipping": (float, {}),
+    "offload_optimizer": (str, {"choices": ["none", "cpu", "nvme"]}),
+    "offload_params": (str, {"choices": ["none", "cpu", "nvme"]}),
+    "nvme_path": (str, {}),
+    "loss_scale": (float, {}),
+    "initial_scale_power": (int, {}),
+    "reduce_bucket_size": (int, {}),
+    "allgather_bucket_size": (int, {}),
+    "stage3_prefetch_bucket_size": (int, {}),
+    "stage3_param_persistence_threshold": (int, {}),
+    "stage3_max_live_parameters": (int, {}),
+    "steps_per_print": (int, {}),
+}
+_CONFIG_FLAGS = ("overlap_comm", "contiguous_gradients", "pin_memory", "activation_checkpointing")
+
+
 def _add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="build (or --validate) a DeepSpeed JSON config")
+    for name, (typ, extra) in _CONFIG_CHOICES.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, **extra)
+    for name in _CONFIG_FLAGS:
+        p.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, action=argparse.BooleanOptionalAction
+        )
+    p.add_argument("--micro-batch-size", type=int, default=None, help="per-rank micro batch size")
+    p.add_argument("--base", default=None, help="a DeepSpeed JSON file or a preset name (e.g. zero3)")
+    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default 1)")
+    p.add_argument("--hidden-size", type=int, default=None, help="model hidden size for the auto bucket sizes")
+    p.add_argument("--validate", metavar="FILE", default=None, help="check FILE and print every problem")
     p.set_defaults(func=_run_config)
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    raise CLIError("`ds-engine config` is not available yet")
+    from ds_engine.config import EngineConfig, load_json_config
+    from ds_engine.ds_config import build_ds_config, validate_ds_config
+
+    if args.validate is not None:
+        problems = validate_ds_config(load_json_config(args.validate), world_size=args.world_size)
+        for problem in problems:
+            print(problem)
+        if problems:
+            print(f"{len(problems)} problem(s) in {args.validate}", file=sys.stderr)
+            return 2
+        print("OK")
+        return 0
+    names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
+    choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    config = EngineConfig.from_dict(choices)
+    ds = build_ds_config(
+        config,
+        world_size=args.world_size if args.world_size is not None else 1,
+        base=args.base,
+        micro_batch_size=args.micro_batch_size,
+        hidden_size=args.hidden_size,
+    )
+    print(json.dumps(ds, indent=2))
+    return 0
 
 
 # --------------------------------------------------------------------------- estimate
