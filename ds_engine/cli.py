@@ -50,7 +50,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None, help="per-rank micro batch size")
     p.add_argument("--base", default=None, help="a DeepSpeed JSON file or a preset name (e.g. zero3)")
     p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default 1)")
-    p.add_argument("--hidden-size", type=int, default=None, help="model hidden size for the auto bucket sizes")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size for auto bucket sizes")
     p.add_argument("--validate", metavar="FILE", default=None, help="check FILE and print every problem")
     p.set_defaults(func=_run_config)
 

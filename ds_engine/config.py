@@ -37,7 +37,7 @@ def _fmt(value: Any) -> str:
 def config_error(key: str, value: Any, allowed: str, hint: str, *, where: str = "") -> ConfigError:
     """Build a `ConfigError` in the standard shape: key, value, what is allowed, one fix."""
     src = f" (in {where})" if where else ""
-    return ConfigError(f"`{key}`{src} = {_fmt(value)} is invalid: {allowed}. HINT: {hint}")
+    return ConfigError(f"`{key}` = {_fmt(value)}{src} is invalid: {allowed}. HINT: {hint}")
 
 
 # --------------------------------------------------------------------------- field checks
