@@ -85,11 +85,95 @@ def _run_config(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- estimate
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="ZeRO-aware memory estimate for every stage/offload choice")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="local HF model folder or config JSON (counted on the meta device)")
+    what.add_argument("--params", help="parameter count, e.g. 1.3e9 or 7B")
+    p.add_argument("--largest-layer", help="parameters of the largest layer (default: derived, or --params)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="accelerators per node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, lion, adagrad, sgd_momentum or sgd")
+    p.add_argument("--budget", help="memory of one accelerator, e.g. 80GB or 79GiB: marks the recommendation")
+    p.add_argument("--host-budget", help="host memory of one node, e.g. 512GB")
+    p.add_argument("--headroom", type=float, default=0.2, help="fraction kept free on top (default 0.2)")
+    p.add_argument("--no-zero-init", action="store_true", help="ZeRO-3 model not built under zero.Init")
     p.set_defaults(func=_run_estimate)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    raise CLIError("`ds-engine estimate` is not available yet")
+    from collections.abc import Callable
+    from typing import Any
+
+    from ds_engine import memory
+
+    def parse(flag: str, text: str | None, parser: Callable[[str], int]) -> int | None:
+        if text is None:
+            return None
+        try:
+            return parser(text)
+        except ValueError as exc:
+            raise CLIError(f"`{flag}` {exc}") from None
+
+    if args.host_budget is not None and args.budget is None:
+        raise CLIError(
+            f"`--host-budget` {args.host_budget!r} needs `--budget` (the accelerator memory) to recommend. "
+            "HINT: add e.g. --budget 80GB"
+        )
+    model: memory.ModelLike = (
+        args.model if args.model is not None else parse("--params", args.params, memory.parse_count)
+    )
+    largest = parse("--largest-layer", args.largest_layer, memory.parse_count)
+    budget = parse("--budget", args.budget, memory.parse_size)
+    host_budget = parse("--host-budget", args.host_budget, memory.parse_size)
+    common: dict[str, Any] = dict(
+        largest_layer_params=largest,
+        num_gpus_per_node=args.gpus_per_node,
+        num_nodes=args.nodes,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        zero_init=not args.no_zero_init,
+    )
+    candidates = memory.estimate_all(model, **common)
+    chosen, failure, rec = None, None, None
+    if budget is not None:
+        try:
+            rec = memory.recommend_config(
+                candidates[0].num_params,
+                accelerator_memory_bytes=budget,
+                host_memory_bytes=host_budget,
+                headroom=args.headroom,
+                **{**common, "largest_layer_params": candidates[0].largest_layer_params},
+            )
+            chosen = (rec.zero_stage, rec.offload_optimizer, rec.offload_params)
+        except ValueError as exc:
+            failure = str(exc)
+    first = candidates[0]
+    print(
+        f"model: {memory.format_count(first.num_params)} params, largest layer "
+        f"{memory.format_count(first.largest_layer_params)}; {first.num_nodes} node(s) x "
+        f"{first.num_gpus_per_node} accelerator(s); {first.precision}, {first.optimizer}"
+    )
+    print("model states only (params, grads, optimizer); GB = 1e9 bytes; host = per node")
+    header = f"  {'choice':<34} {'per accelerator':>16} {'per host':>12}"
+    if budget is not None:
+        header += f"  fits (+{args.headroom:.0%})"
+    print(header)
+    for est in candidates:
+        key = (est.zero_stage, est.offload_optimizer, est.offload_params)
+        mark = "*" if key == chosen else " "
+        line = (
+            f"{mark} {est.label:<34} {memory.format_bytes(est.accelerator.total):>16} "
+            f"{memory.format_bytes(est.host.total):>12}"
+        )
+        if budget is not None:
+            ok = memory.fits(est, budget, host_budget, args.headroom)
+            line += f"  {'yes' if ok else 'no':<4}" + ("  <- recommended" if key == chosen else "")
+        print(line.rstrip())
+    if failure is not None:
+        raise CLIError(failure)
+    if rec is not None:
+        print(f"recommended: {rec.reason}")
+    return 0
 
 
 # --------------------------------------------------------------------------- launch
