@@ -195,13 +195,37 @@ def _groups(entries: list[_Entry]) -> Iterator[list[_Entry]]:
 
 
 # --------------------------------------------------------------------------- gathering
-def _master_fp32(tensor: torch.Tensor, ds_engine: Any) -> torch.Tensor | None:
+def _replicated_masters(ds_engine: Any) -> dict[int, torch.Tensor]:
+    """id(param) -> fp32 master for DeepSpeed's non-ZeRO 16-bit optimizers (FP16_Optimizer and
+    its unfused variant, used for fp16 and bf16 at ZeRO-0), whose params have no `_hp_mapping`."""
+    optimizer = getattr(ds_engine, "optimizer", None)
+    lp_groups = getattr(optimizer, "fp16_groups", None)
+    if not lp_groups:
+        return {}
+    masters: dict[int, torch.Tensor] = {}
+    flat_groups = getattr(optimizer, "fp32_groups_flat", None)
+    if flat_groups and len(flat_groups) == len(lp_groups) and all(torch.is_tensor(t) for t in flat_groups):
+        from torch._utils import _unflatten_dense_tensors
+
+        for lp_group, flat in zip(lp_groups, flat_groups):
+            for lp, hp in zip(lp_group, _unflatten_dense_tensors(flat, lp_group)):
+                masters[id(lp)] = hp
+        return masters
+    for lp_group, hp_group in zip(lp_groups, getattr(optimizer, "fp32_groups", None) or []):
+        for lp, hp in zip(lp_group, hp_group):
+            masters[id(lp)] = hp
+    return masters
+
+
+def _master_fp32(
+    tensor: torch.Tensor, ds_engine: Any, replicated: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
     """The fp32 master copy the optimizer holds for `tensor` (collective), or None."""
     if ds_engine is None or getattr(ds_engine, "optimizer", None) is None or not tensor.requires_grad:
         return None
-    if _is_zero3(tensor) and getattr(tensor, "_z3_optimizer", None) is None:
-        return None
     if not _is_zero3(tensor) and not hasattr(tensor, "_hp_mapping"):
+        return replicated.get(id(tensor))
+    if _is_zero3(tensor) and getattr(tensor, "_z3_optimizer", None) is None:
         return None
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -243,12 +267,13 @@ def _collect(
     """
     out: dict[str, torch.Tensor] | None = {} if keep else None
     done: dict[int, str] = {}  # id(live tensor) -> first key, so tied keys share one copy
+    replicated = _replicated_masters(ds_engine) if want_master else {}
     for group in _groups(entries):
         masters: dict[int, torch.Tensor] = {}
         if want_master:
             for entry in group:
                 if entry.is_param and id(entry.tensor) not in masters and id(entry.tensor) not in done:
-                    master = _master_fp32(entry.tensor, ds_engine)
+                    master = _master_fp32(entry.tensor, ds_engine, replicated)
                     if master is not None:
                         masters[id(entry.tensor)] = master
         to_gather = [e.tensor for e in group if id(e.tensor) not in masters and id(e.tensor) not in done]
