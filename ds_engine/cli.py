@@ -56,29 +56,34 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> int:
+    import contextlib
+
     from ds_engine.config import EngineConfig, load_json_config
     from ds_engine.ds_config import build_ds_config, validate_ds_config
 
-    if args.validate is not None:
-        problems = validate_ds_config(load_json_config(args.validate), world_size=args.world_size)
-        for problem in problems:
-            print(problem)
-        if problems:
-            print(f"{len(problems)} problem(s) in {args.validate}", file=sys.stderr)
-            return 2
-        print("OK")
+    # DeepSpeed logs to stdout when imported (for its config models): keep stdout pure JSON/report.
+    with contextlib.redirect_stdout(sys.stderr):
+        if args.validate is not None:
+            problems = validate_ds_config(load_json_config(args.validate), world_size=args.world_size)
+        else:
+            names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
+            choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+            ds = build_ds_config(
+                EngineConfig.from_dict(choices),
+                world_size=args.world_size if args.world_size is not None else 1,
+                base=args.base,
+                micro_batch_size=args.micro_batch_size,
+                hidden_size=args.hidden_size,
+            )
+    if args.validate is None:
+        print(json.dumps(ds, indent=2))
         return 0
-    names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
-    choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    config = EngineConfig.from_dict(choices)
-    ds = build_ds_config(
-        config,
-        world_size=args.world_size if args.world_size is not None else 1,
-        base=args.base,
-        micro_batch_size=args.micro_batch_size,
-        hidden_size=args.hidden_size,
-    )
-    print(json.dumps(ds, indent=2))
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.validate}", file=sys.stderr)
+        return 2
+    print("OK")
     return 0
 
 

@@ -338,7 +338,8 @@ def test_validate_without_world_size_and_missing_batch() -> None:
     assert "both missing" in validate_ds_config({"zero_optimization": {"stage": 1}})[0]
     assert "must be a JSON object" in validate_ds_config([1])[0]
     assert validate_ds_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 9}}) == [
-        "`zero_optimization.stage` = 9 is invalid: expected 0, 1, 2 or 3. HINT: set zero_optimization.stage to 0-3"
+        "`zero_optimization.stage` = 9 is invalid: expected 0, 1, 2 or 3. "
+        "HINT: set zero_optimization.stage to 0-3"
     ]
 
 
