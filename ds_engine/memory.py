@@ -61,7 +61,17 @@ reproduces for bf16/fp16 Adam except:
   the model states themselves and the margin is explicit (`recommend_config(headroom=...)`).
 * DeepSpeed's ZeRO-2 host figure ignores the number of nodes; here host memory is per node.
 * The estimate is an upper bound at the optimizer step: it counts the 16-bit gradient
-  partition and the fp32 gradient copy made from it as alive together, as DeepSpeed does.
+  partition and the fp32 gradient copy made from it as alive together, as DeepSpeed does
+  (they coexist while the copy is made; just before and after it, only one of them does).
+* ZeRO-1 counts full 16-bit gradients on every rank: with gradient accumulation ZeRO-1
+  keeps them until the boundary. With gradient_accumulation_steps=1 DeepSpeed reduces them
+  during backward and holds only a 2P/N partition, so the ZeRO-1 figure is then high by
+  2P - 2P/N.
+
+Measured against DeepSpeed 0.19.8 (2 CPU ranks, bf16, AdamW, 51M-parameter GPT-2, tensor
+storages reachable from the engine; `scripts/bench_memory.py`), bytes per parameter per
+rank, measured / estimated: ZeRO-0 20.0 / 20 (1.00), ZeRO-2 10.0 / 11 (0.91, the coexisting
+gradient copies above), ZeRO-3 10.08 / 10 (1.01, the extra is communication buffers).
 
 NVMe offload is not modelled (what stays in host memory then depends on the swap buffers).
 """
