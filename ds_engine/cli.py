@@ -159,6 +159,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
         f"{first.num_gpus_per_node} accelerator(s); {first.precision}, {first.optimizer}"
     )
     print("model states only (params, grads, optimizer); GB = 1e9 bytes; host = per node")
+    if args.params is not None and largest is None:
+        print(
+            "largest layer unknown: taken as the whole model (upper bound for ZeRO-3); pass --largest-layer"
+        )
     header = f"  {'choice':<34} {'per accelerator':>16} {'per host':>12}"
     if budget is not None:
         header += f"  fits (+{args.headroom:.0%})"

@@ -320,6 +320,12 @@ def test_cli_table_marks_the_recommendation(capsys: pytest.CaptureFixture[str]) 
     assert len(rows) == len(CHOICES)
     assert any("ZeRO-0" in r and "20.00 GB" in r and " no" in r for r in rows)
     assert "recommended: ZeRO-1 is the cheapest" in out
+    assert "largest layer unknown" not in out
+
+
+def test_cli_says_when_largest_layer_is_assumed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B"]) == 0
+    assert "largest layer unknown: taken as the whole model" in capsys.readouterr().out
 
 
 def test_cli_model_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
