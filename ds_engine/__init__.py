@@ -23,7 +23,18 @@ _LAZY = {
     "is_deepspeed_available": "ds_engine._imports",
 }
 
-__all__ = [*sorted(_LAZY), "__version__"]
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "OverflowAwareScheduler",
+    "__version__",
+    "build_ds_config",
+    "estimate_memory",
+    "is_deepspeed_available",
+    "recommend_config",
+    "validate_ds_config",
+]
 
 if TYPE_CHECKING:
     from ds_engine._imports import is_deepspeed_available

@@ -18,7 +18,7 @@ DEEPSPEED_MIN_VERSION = Version("0.19.2")
 INSTALL_HINT = 'pip install "ds-engine[deepspeed]"  (or: pip install "deepspeed>=0.19.2,<0.20")'
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def deepspeed_version() -> Version | None:
     """The installed DeepSpeed version, or None when DeepSpeed is not installed."""
     if importlib.util.find_spec("deepspeed") is None:

@@ -42,31 +42,59 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
-                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_command(
+    cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `cmd` in its own session; on timeout kill the whole group and raise."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env or worker_env(), cwd=cwd or ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or worker_env(),
+        cwd=cwd or ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
+        raise TimeoutError(
+            f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def run_workers(script: str, *args: str, nproc: int = 2, timeout: float = 600,
-                env: dict[str, str] | None = None, out_dir: Path | None = None) -> list[dict[str, Any]]:
+def run_workers(
+    script: str,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    out_dir: Path | None = None,
+) -> list[dict[str, Any]]:
     """Launch `workers/<script>` on `nproc` ranks and return each rank's JSON result."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="ds_engine_test_"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           str(WORKERS / script), "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--max-restarts=0",
+        str(WORKERS / script),
+        "--out",
+        str(out),
+        *args,
+    ]
     result = run_command(cmd, timeout=timeout, env=worker_env(env))
     if result.returncode != 0:
-        raise RuntimeError(f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}")
+        raise RuntimeError(
+            f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}"
+        )
     results = []
     for rank in range(nproc):
         path = out / f"rank{rank}.json"

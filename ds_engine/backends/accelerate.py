@@ -1,0 +1,191 @@
+"""Plain-accelerate fallback: DDP (or a single process) when DeepSpeed is not installed.
+
+Same Engine semantics as the DeepSpeed backend: gradients are reduced once per optimizer
+step (DDP `no_sync` on every non-boundary micro-step), the applied gradient is the mean over
+the window, `gradient_clipping` is applied at every boundary, and a step with non-finite
+gradients is skipped and counted (accelerate's GradScaler where it has one, our own check
+where it has none, as on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from ds_engine.backends.base import Backend, StepOutcome
+from ds_engine.config import EngineConfig
+
+
+class AccelerateBackend(Backend):
+    """Runs the model through `accelerate.Accelerator` (DDP across ranks)."""
+
+    name = "accelerate"
+
+    def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
+        super().__init__(config, base)
+        self.accelerator: Any = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: Any = None
+        self._unscaled = False
+        self._clip_norm: float | None = None
+
+    # -------------------------------------------------------------- process group
+    def _cpu_only(self) -> bool:
+        return not torch.cuda.is_available()
+
+    def _mixed_precision(self) -> str:
+        precision = self.effective.precision
+        if precision == "fp16" and self._cpu_only():
+            return "no"  # accelerate has no fp16 autocast/GradScaler on CPU: reported, see below
+        return {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[precision]
+
+    def setup_distributed(self) -> None:
+        if self.accelerator is not None:
+            return
+        from datetime import timedelta
+
+        from accelerate import Accelerator
+        from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
+
+        eff = self.effective
+        handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(minutes=30))]
+        if eff.precision == "fp16" and eff.loss_scale == 0:
+            handlers.append(
+                GradScalerKwargs(
+                    init_scale=2.0**eff.initial_scale_power, growth_interval=eff.loss_scale_window
+                )
+            )
+        # cpu=True is what makes accelerate form a multi-process gloo group on CPU ranks.
+        self.accelerator = Accelerator(
+            cpu=self._cpu_only(),
+            mixed_precision=self._mixed_precision(),
+            kwargs_handlers=handlers,
+            gradient_accumulation_steps=1,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        self.setup_distributed()
+        return torch.device(self.accelerator.device)
+
+    def unhonoured_choices(self) -> list[str]:
+        eff, notes = self.effective, []
+        if eff.zero_stage > 0:
+            notes.append(
+                f"zero_stage={eff.zero_stage}: runs as DDP, every rank holds full parameters, "
+                "gradients and optimizer states"
+            )
+        if eff.offload_optimizer != "none":
+            notes.append(f"offload_optimizer={eff.offload_optimizer!r}: the optimizer stays on the device")
+        if eff.offload_params != "none":
+            notes.append(f"offload_params={eff.offload_params!r}: parameters stay on the device")
+        if eff.precision == "fp16" and self._cpu_only():
+            notes.append(
+                "precision='fp16': accelerate has no fp16 autocast or loss scaler on CPU, so the "
+                "math is fp32; non-finite gradients are still detected and the step skipped"
+            )
+        if eff.precision == "fp16" and eff.loss_scale != 0:
+            notes.append(f"loss_scale={eff.loss_scale} (static): torch's GradScaler is always dynamic")
+        if eff.precision == "fp16" and eff.hysteresis != 2:
+            notes.append(f"hysteresis={eff.hysteresis}: torch's GradScaler has no hysteresis")
+        if eff.activation_checkpointing:
+            notes.append("activation_checkpointing: call model.gradient_checkpointing_enable() yourself")
+        return notes
+
+    # -------------------------------------------------------------- prepare
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        *,
+        facts: dict[str, Any],
+    ) -> tuple[torch.nn.Module, Any, Any]:
+        self.setup_distributed()
+        if optimizer is None:
+            from ds_engine.config import ConfigError
+
+            block = (self.effective.optimizer or {}).get("type")
+            raise ConfigError(
+                f"`prepare` got no optimizer; the accelerate fallback cannot build DeepSpeed's native "
+                f"`optimizer` block ({block!r}). HINT: pass a torch optimizer to `prepare`."
+            )
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer, None
+
+    # -------------------------------------------------------------- training step
+    def micro_step_context(
+        self, model: torch.nn.Module, *, boundary: bool, window_start: bool
+    ) -> contextlib.AbstractContextManager[None]:
+        if boundary or self.accelerator.num_processes == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)  # DDP: no all-reduce on this micro-step
+
+    def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
+        self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+
+    def _unscale_once(self) -> None:
+        if not self._unscaled:
+            self.accelerator.unscale_gradients(self.optimizer)
+            self._unscaled = True
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        assert self.model is not None
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float) -> float | None:
+        if self._clip_norm is None:
+            self._unscale_once()
+            norm = torch.nn.utils.clip_grad_norm_(self._params(), max_norm)
+            self._clip_norm = float(norm)
+        return self._clip_norm
+
+    def optimizer_step(self) -> StepOutcome:
+        clipping = self.effective.gradient_clipping
+        if self._clip_norm is not None:
+            norm = self._clip_norm
+        elif clipping > 0:
+            norm = self.clip_grad_norm_(clipping)  # type: ignore[assignment]
+        else:
+            self._unscale_once()
+            params = self._params()
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        scaler = self.accelerator.scaler
+        if scaler is None and self.effective.skip_nonfinite_steps and not math.isfinite(norm):
+            # No loss scaler here (CPU, bf16, fp32): skip ourselves, as DeepSpeed would.
+            applied = False
+        else:
+            self.optimizer.step()
+            applied = not bool(getattr(self.optimizer, "step_was_skipped", False))
+        self._unscaled = False
+        self._clip_norm = None
+        loss_scale = float(scaler.get_scale()) if scaler is not None else None
+        return StepOutcome(applied=applied, grad_norm=norm, loss_scale=loss_scale)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -------------------------------------------------------------- utilities
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.setup_distributed()
+        return self.accelerator.unwrap_model(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        self.setup_distributed()
+        return self.accelerator.autocast()
+
+    def get_state_dict(
+        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
+    ) -> dict[str, torch.Tensor] | None:
+        from ds_engine.checkpoint import consolidated_state_dict
+
+        return consolidated_state_dict(self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen)
+
+    def iter_models(self) -> Any:
+        if self.model is not None:
+            yield self.model

@@ -1,0 +1,334 @@
+"""DeepSpeed backend: ZeRO 0-3 through `deepspeed.initialize`, driven by the Engine's boundaries.
+
+DeepSpeed is imported lazily, inside methods, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ds_engine._imports import require_deepspeed
+from ds_engine.backends.base import Backend, StepOutcome
+from ds_engine.config import ConfigError, EngineConfig
+from ds_engine.ds_config import build_ds_config, hidden_size_from_model
+
+#: DeepSpeed's own defaults, used when "auto" bucket sizes have no hidden size to derive from.
+_DEEPSPEED_BUCKET_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+
+
+def _ensure_launch_env() -> None:
+    """A plain `python script.py` run is a world of one: give torch.distributed what it needs."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+class DeepSpeedBackend(Backend):
+    """Runs the model through a `DeepSpeedEngine`; the Engine decides every boundary."""
+
+    name = "deepspeed"
+
+    def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
+        require_deepspeed()
+        super().__init__(config, base)
+        self.ds_engine: Any = None
+        self._ds_config: dict[str, Any] | None = None
+        self._coalesce: contextlib.ExitStack | None = None
+        self._init_config: dict[str, Any] | None = None
+        self._hf_ds_config: Any = None
+
+    # -------------------------------------------------------------- process group
+    def setup_distributed(self) -> None:
+        import deepspeed
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        if dist.is_initialized():
+            return
+        _ensure_launch_env()
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(),
+            timeout=timedelta(seconds=self.effective.timeout_s)
+            if hasattr(self.effective, "timeout_s")
+            else timedelta(minutes=30),
+            verbose=False,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        from deepspeed.accelerator import get_accelerator
+
+        name = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device(name)
+
+    @property
+    def ds_config(self) -> dict[str, Any] | None:
+        return self._ds_config
+
+    # -------------------------------------------------------------- ZeRO-3 creation
+    def init_context(self) -> contextlib.AbstractContextManager[None]:
+        if self.effective.zero_stage != 3:
+            return contextlib.nullcontext()
+        return self._zero3_init_context()
+
+    @contextlib.contextmanager
+    def _zero3_init_context(self) -> Iterator[None]:
+        import deepspeed
+        import torch.distributed as dist
+
+        self.setup_distributed()
+        # zero.Init needs a config whose batch triangle DeepSpeed accepts; the real micro
+        # batch is not known yet, so build one with a placeholder that `prepare` replaces.
+        init_config = build_ds_config(
+            self.config, world_size=dist.get_world_size(), base=self.base, micro_batch_size=1, hidden_size=1
+        )
+        self._init_config = init_config
+        hf_ds_config = None
+        try:  # tell transformers for exactly as long as the context lasts
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            hf_ds_config = HfDeepSpeedConfig(init_config)
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            pass
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=init_config):
+                yield
+        finally:
+            if hf_ds_config is not None:
+                _forget_hf_deepspeed_config(hf_ds_config)
+
+    # -------------------------------------------------------------- prepare
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        *,
+        facts: dict[str, Any],
+    ) -> tuple[torch.nn.Module, Any, Any]:
+        import deepspeed
+
+        self.setup_distributed()
+        ds_config = build_ds_config(
+            self._config_for(model),
+            world_size=facts["world_size"],
+            base=self.base,
+            model=model,
+            dataloader=facts.get("dataloader"),
+            optimizer=optimizer,
+        )
+        optimizer = self._maybe_offload_optimizer(optimizer, ds_config, scheduler)
+        if optimizer is None and "optimizer" not in ds_config:
+            raise ConfigError(
+                "`prepare` got no optimizer and the config has no `optimizer` block. HINT: pass a torch "
+                "optimizer to `prepare`, or set `optimizer={'type': 'AdamW', 'params': {'lr': 1e-5}}`."
+            )
+        if optimizer is not None and "optimizer" in ds_config:
+            raise ConfigError(
+                f"`prepare` got a torch optimizer ({type(optimizer).__name__}) and the config has an "
+                f"`optimizer` block ({ds_config['optimizer'].get('type')}); DeepSpeed would use one "
+                "silently. "
+                "HINT: remove one of them."
+            )
+        params = [p for p in model.parameters() if p.requires_grad] if optimizer is None else None
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=params,
+            config=ds_config,
+            dist_init_required=False,
+        )
+        self.ds_engine = engine
+        self._ds_config = ds_config
+        return engine, ds_optimizer, ds_scheduler
+
+    def _config_for(self, model: torch.nn.Module) -> EngineConfig:
+        """The user's choices, with DeepSpeed's bucket defaults where "auto" has no hidden size.
+
+        A plain `nn.Module` has no `config.hidden_size`; bucket sizes the user left at their
+        "auto" default (neither chosen nor in the JSON) then take DeepSpeed's own defaults
+        instead of failing. An "auto" the user asked for still has to be filled.
+        """
+        if hidden_size_from_model(model) is not None:
+            return self.config
+        zero_base = (self.base or {}).get("zero_optimization", {})
+        stage = self.effective.zero_stage
+        fill = {
+            key: value
+            for key, value in _DEEPSPEED_BUCKET_DEFAULTS.items()
+            if key not in self.config.explicit_fields
+            and key not in zero_base
+            and stage >= (3 if key.startswith("stage3_") else 1)
+        }
+        return dataclasses.replace(self.config, **fill) if fill else self.config  # type: ignore[arg-type]
+
+    def _maybe_offload_optimizer(
+        self, optimizer: torch.optim.Optimizer | None, ds_config: dict[str, Any], scheduler: Any
+    ) -> torch.optim.Optimizer | None:
+        """Swap torch Adam/AdamW for DeepSpeed's CPU Adam under optimizer offload, keeping every knob."""
+        zero = ds_config.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer", {}).get("device", "none")
+        if optimizer is None or offload in (None, "none"):
+            return optimizer
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ConfigError(
+                f"`offload_optimizer={offload!r}` runs the optimizer on the CPU with DeepSpeed's CPU Adam; "
+                f"got {type(optimizer).__name__}. HINT: use torch.optim.Adam/AdamW, or "
+                "`offload_optimizer='none'`."
+            )
+        group0 = optimizer.param_groups[0]
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ConfigError(
+                "`offload_optimizer` with `amsgrad=True`: DeepSpeed's CPU Adam has no AMSGrad. "
+                "HINT: set amsgrad=False or offload_optimizer='none'."
+            )
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        groups = [
+            {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+            for g in optimizer.param_groups
+        ]
+        new = DeepSpeedCPUAdam(
+            groups,
+            lr=group0["lr"],
+            betas=tuple(group0["betas"]),
+            eps=group0["eps"],
+            weight_decay=group0["weight_decay"],
+            adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+        )
+        for new_group, old_group in zip(new.param_groups, optimizer.param_groups):
+            for key in ("initial_lr", "lr", "betas", "eps", "weight_decay"):
+                if key in old_group:
+                    new_group[key] = old_group[key]
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+            scheduler.optimizer = new  # the user's schedule now drives CPU Adam's lr
+        return new
+
+    # -------------------------------------------------------------- training step
+    def micro_step_context(
+        self, model: torch.nn.Module, *, boundary: bool, window_start: bool
+    ) -> contextlib.AbstractContextManager[None]:
+        engine = self.ds_engine
+        engine.set_gradient_accumulation_boundary(boundary)
+        if self.effective.coalesce_grad_reduction and window_start and self._coalesce is None:
+            self._enter_coalesce()
+        return contextlib.nullcontext()
+
+    def coalesce_supported(self) -> str:
+        """'' when DeepSpeed can reduce once per step here, else why not."""
+        engine = self.ds_engine
+        if engine.zero_optimization_stage() == 0:
+            return "ZeRO-0 already reduces once per optimizer step"
+        if not hasattr(engine, "coalesce_grad_reduction"):
+            return "this DeepSpeed has no `coalesce_grad_reduction` (needs >= 0.19.2)"
+        if not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+            return f"DeepSpeed cannot coalesce with the {type(engine.optimizer).__name__} wrapper"
+        return ""
+
+    def _enter_coalesce(self) -> None:
+        reason = self.coalesce_supported()
+        if reason:
+            if not getattr(self, "_coalesce_warned", False):
+                warnings.warn(
+                    f"coalesce_grad_reduction=True ignored: {reason}; gradients are reduced "
+                    "as DeepSpeed does by default.",
+                    stacklevel=4,
+                )
+                self._coalesce_warned = True
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.ds_engine.coalesce_grad_reduction())
+        self._coalesce = stack
+
+    def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
+        engine = self.ds_engine
+        engine.set_gradient_accumulation_boundary(boundary)
+        # Our own divisor (the real window length, also for a short last window) instead of
+        # DeepSpeed's fixed division by the configured GA.
+        engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> StepOutcome:
+        engine = self.ds_engine
+        if self._coalesce is not None:
+            coalesce, self._coalesce = self._coalesce, None
+            coalesce.close()  # one reduction pass for the whole window
+        engine.set_gradient_accumulation_boundary(True)
+        own_norm = None
+        if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+            own_norm = _local_grad_norm(engine.module)  # gradients are all-reduced: the global norm
+        engine.step()
+        applied = bool(engine.was_step_applied())
+        norm = engine.get_global_grad_norm()
+        if norm is None:
+            norm = own_norm
+        if isinstance(norm, torch.Tensor):
+            norm = float(norm.item())
+        loss_scale = engine._get_optimizer_loss_scale() if engine.fp16_enabled() else None
+        return StepOutcome(
+            applied=applied,
+            grad_norm=None if norm is None else float(norm),
+            loss_scale=None if loss_scale is None else float(loss_scale),
+        )
+
+    def zero_grad(self) -> None:
+        # DeepSpeed clears gradients inside `step()`; a second clear would be a no-op at best.
+        return None
+
+    # -------------------------------------------------------------- utilities
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from deepspeed import DeepSpeedEngine
+
+        while isinstance(model, DeepSpeedEngine):
+            model = model.module
+        return model
+
+    def get_state_dict(
+        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
+    ) -> dict[str, torch.Tensor] | None:
+        from ds_engine.checkpoint import consolidated_state_dict
+
+        return consolidated_state_dict(
+            self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen, ds_engine=self.ds_engine
+        )
+
+    def iter_models(self) -> Iterator[torch.nn.Module]:
+        if self.ds_engine is not None:
+            yield self.ds_engine
+
+
+def _local_grad_norm(module: torch.nn.Module) -> float:
+    grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+
+def _forget_hf_deepspeed_config(hf_ds_config: Any) -> None:
+    """Drop transformers' global reference so later `from_pretrained` calls are plain again."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    if ref is not None and ref() is hf_ds_config:
+        hf_deepspeed.unset_hf_deepspeed_config()

@@ -1,0 +1,210 @@
+"""Dataloader sharding shared by both backends.
+
+The Engine owns the accumulation boundary, so it must know where each training dataloader
+stands (batch index, length). Both backends therefore use this one wrapper rather than
+DeepSpeed's or accelerate's own, which keeps the semantics identical on both.
+
+Sharding is by whole batches, as accelerate does: the user's sampler order is cut into
+global batches of ``batch_size * num_processes`` samples; rank ``r`` takes the ``r``-th
+slice of each. The last global batch is completed by cycling from the start of the epoch
+(every rank gets a full batch, so collectives line up), and `gather_for_metrics` drops
+exactly those duplicates because they sit at the end of the gathered, rank-ordered batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device`; other values pass through."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        moved = {k: move_to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # type: ignore[call-arg]  # BatchEncoding, OrderedDict, ...
+        except TypeError:
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches: slice `rank` of every global batch, padded at the end."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        index_sampler: Sampler | None = None,
+    ) -> None:
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.index_sampler = index_sampler  # a custom user sampler, used as is
+        self.epoch = 0
+        self.skip_batches = 0
+
+    def _order(self) -> list[int]:
+        if self.index_sampler is not None:
+            return list(self.index_sampler)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(self.num_samples, generator=generator).tolist()
+        return list(range(self.num_samples))
+
+    def __len__(self) -> int:
+        global_batch = self.batch_size * self.num_replicas
+        if self.drop_last:
+            return self.num_samples // global_batch
+        return math.ceil(self.num_samples / global_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        global_batch = self.batch_size * self.num_replicas
+        total = len(self) * global_batch
+        if total > len(order) and order:
+            order = order + [order[i % len(order)] for i in range(total - len(order))]
+        for b in range(self.skip_batches, len(self)):
+            start = b * global_batch + self.rank * self.batch_size
+            yield order[start : start + self.batch_size]
+
+
+class PreparedDataLoader:
+    """A rank's shard of a user's DataLoader, on the right device, that reports its position.
+
+    Iterating it tells the Engine which batch is current, so the Engine can put the
+    accumulation boundary at every GA-th batch and at the last one.
+    """
+
+    def __init__(
+        self,
+        dataloader: DataLoader,
+        *,
+        num_replicas: int,
+        rank: int,
+        device: torch.device,
+        on_batch: Callable[[PreparedDataLoader, int], None],
+        on_end: Callable[[PreparedDataLoader], None],
+        seed: int = 0,
+    ) -> None:
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError(
+                "`prepare` got a DataLoader over an IterableDataset, which ds_engine cannot shard "
+                "evenly across ranks. HINT: use a map-style dataset (datasets.Dataset works), or shard "
+                "the stream yourself and do not pass the loader to `prepare`."
+            )
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "`prepare` got a DataLoader with `batch_size=None` (a custom batch_sampler). "
+                "HINT: pass `batch_size=` and a plain `sampler` instead of a `batch_sampler`."
+            )
+        self.base_dataloader = dataloader
+        self.device = device
+        self._on_batch = on_batch
+        self._on_end = on_end
+        sampler: Any = dataloader.sampler
+        shuffle = isinstance(sampler, RandomSampler)
+        custom = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
+        if shuffle and getattr(sampler, "generator", None) is not None:
+            seed = int(sampler.generator.initial_seed())
+        self.batch_sampler = ShardedBatchSampler(
+            len(custom) if custom is not None else len(dataloader.dataset),  # type: ignore[arg-type]
+            dataloader.batch_size,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=dataloader.drop_last,
+            index_sampler=custom,
+        )
+        self._loader = DataLoader(
+            dataloader.dataset,
+            batch_sampler=self.batch_sampler,
+            collate_fn=dataloader.collate_fn,
+            num_workers=dataloader.num_workers,
+            pin_memory=dataloader.pin_memory,
+            timeout=dataloader.timeout,
+            worker_init_fn=dataloader.worker_init_fn,
+            multiprocessing_context=dataloader.multiprocessing_context,
+            persistent_workers=dataloader.persistent_workers if dataloader.num_workers > 0 else False,
+        )
+        self.batch_index = 0
+        self.in_progress = False
+        self._epoch_set_explicitly = False
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def dataset(self) -> Any:
+        return self.base_dataloader.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """Per-rank micro-batch size."""
+        return int(self.base_dataloader.batch_size)  # type: ignore[arg-type]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch over all ranks, without padding (what gather_for_metrics keeps)."""
+        return self.batch_sampler.num_samples
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_sampler.epoch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for `epoch` (the same permutation on every rank)."""
+        self.batch_sampler.epoch = epoch
+        self._epoch_set_explicitly = True
+
+    def skip_first_batches(self, num_batches: int) -> None:
+        """Make the next iteration start at batch `num_batches` (resume mid-epoch)."""
+        self.batch_sampler.skip_batches = num_batches
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_index": self.batch_index if self.in_progress else 0}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self.skip_first_batches(int(state["batch_index"]))
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        start = self.batch_sampler.skip_batches
+        self.in_progress = True
+        try:
+            for offset, batch in enumerate(self._loader):
+                self.batch_index = start + offset
+                self._on_batch(self, self.batch_index)
+                yield move_to_device(batch, self.device)
+                self.batch_index = start + offset + 1
+        finally:
+            self.in_progress = False
+            self.batch_sampler.skip_batches = 0
+            self._on_end(self)
+        if not self._epoch_set_explicitly:
+            self.batch_sampler.epoch += 1  # reshuffle next epoch, as accelerate does
+        self._epoch_set_explicitly = False

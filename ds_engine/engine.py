@@ -1,0 +1,521 @@
+"""The Engine facade: prepare / accumulate / backward / step bookkeeping / gather / save.
+
+The Engine alone decides the gradient-accumulation boundary: micro-step ``k`` of a prepared
+training dataloader is a boundary when ``(k + 1) % GA == 0`` or it is the loader's last
+batch. Every loss is divided by the real length of its window (also for a short last
+window), so the applied gradient is the mean over the window's micro-batches on every
+backend. Backends (``ds_engine/backends``) only carry these decisions out; the Engine never
+branches on which backend it runs.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ds_engine._imports import INSTALL_HINT, deepspeed_unavailable_reason, require_deepspeed
+from ds_engine.backends.base import Backend
+from ds_engine.config import ConfigError, EngineConfig, load_json_config
+from ds_engine.dataloader import PreparedDataLoader
+from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer
+
+#: Environment variable `ds-engine launch --config` uses to hand a config to `Engine()`.
+CONFIG_ENV = "DS_ENGINE_CONFIG"
+
+_BACKENDS = ("auto", "deepspeed", "accelerate")
+
+
+def _select_backend(backend: str) -> type[Backend]:
+    if backend not in _BACKENDS:
+        raise ConfigError(
+            f"`backend={backend!r}` is not a backend; allowed: {', '.join(_BACKENDS)}. "
+            "HINT: use backend='auto'."
+        )
+    if backend == "deepspeed":
+        require_deepspeed()
+    if backend == "auto":
+        reason = deepspeed_unavailable_reason()
+        if reason:
+            warnings.warn(
+                f"ds_engine: {reason}; using the plain-accelerate fallback (DDP). HINT: {INSTALL_HINT}",
+                stacklevel=3,
+            )
+            backend = "accelerate"
+        else:
+            backend = "deepspeed"
+    if backend == "deepspeed":
+        from ds_engine.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend
+    from ds_engine.backends.accelerate import AccelerateBackend
+
+    return AccelerateBackend
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return callable(getattr(obj, "step", None)) and (
+        hasattr(obj, "get_last_lr") or isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+    )
+
+
+class Engine:
+    """One object for a DeepSpeed (or plain-accelerate) training loop.
+
+    Args:
+        config: an `EngineConfig`; a DeepSpeed JSON (path, preset name or dict) that the
+            keyword choices merge into; or None (then the `DS_ENGINE_CONFIG` environment
+            variable set by `ds-engine launch --config` is used, if any).
+        backend: "auto" (DeepSpeed when installed and recent enough, else accelerate with a
+            warning), "deepspeed" (ImportError with an install hint if missing) or "accelerate".
+        **choices: `EngineConfig` fields, e.g. ``zero_stage=3, precision="bf16"``.
+
+    Raises:
+        ConfigError: for an unknown choice, a bad value, or a conflict with the JSON, before
+            any process group is formed.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        *,
+        backend: str = "auto",
+        **choices: Any,
+    ) -> None:
+        if config is None and os.environ.get(CONFIG_ENV):
+            config = os.environ[CONFIG_ENV]
+        base: dict[str, Any] | None = None
+        if isinstance(config, EngineConfig):
+            if choices:
+                merged = {name: getattr(config, name) for name in config.explicit_fields}
+                merged.update(choices)
+                config = EngineConfig.from_kwargs(**merged)
+            user_config = config
+        elif config is None or isinstance(config, (str, os.PathLike, Mapping)):
+            if config is not None:
+                base = load_json_config(_resolve_preset(config))
+            user_config = EngineConfig.from_kwargs(**choices)
+        else:
+            raise ConfigError(
+                f"`config` must be an EngineConfig, a JSON path or a dict; got "
+                f"{type(config).__name__}. HINT: Engine(zero_stage=2) or Engine('ds_config.json')."
+            )
+        backend_cls = _select_backend(backend)
+        # Everything we can check without a process group, checked now (conflicts with the
+        # JSON, impossible stage/offload combinations, leftover keys).
+        from ds_engine.ds_config import build_ds_config
+
+        build_ds_config(
+            user_config, world_size=int(os.environ.get("WORLD_SIZE", "1")), base=base, resolve=False
+        )
+        self._backend = backend_cls(user_config, base)
+        self.config: EngineConfig = self._backend.effective
+        """The effective high-level choices (after merging the JSON)."""
+        unhonoured = self._backend.unhonoured_choices()
+        if unhonoured:
+            warnings.warn(
+                "ds_engine: the accelerate fallback cannot honour these choices:\n  - "
+                + "\n  - ".join(unhonoured),
+                stacklevel=2,
+            )
+
+        # step bookkeeping
+        self.num_micro_steps = 0
+        """Micro-steps (forward/backward passes) taken so far."""
+        self.num_optimizer_steps = 0
+        """Optimizer steps applied so far (skipped steps not counted)."""
+        self.num_skipped_steps = 0
+        """Optimizer steps skipped because of overflow / non-finite gradients."""
+        self.step_was_skipped = False
+        """True when the last boundary's optimizer step was skipped."""
+        self.grad_norm: float | None = None
+        """Global gradient norm at the last boundary, before clipping."""
+        self.loss_scale: float | None = None
+        """Current fp16 loss scale (None without loss scaling)."""
+        self._boundary = True
+        self._window_len = 1
+        self._window_start = True
+        self._stepped = False
+        self._free_micro_steps = 0
+        self._in_accumulate = False
+        self._loaders_in_progress: list[PreparedDataLoader] = []
+        self._model: torch.nn.Module | None = None
+        self._optimizer: PreparedOptimizer | None = None
+        self._scheduler: OverflowAwareScheduler | None = None
+        self._dataloaders: list[PreparedDataLoader] = []
+
+    # ================================================================= facts
+    @property
+    def backend_name(self) -> str:
+        """ "deepspeed" or "accelerate"."""
+        return self._backend.name
+
+    @property
+    def ds_config(self) -> dict[str, Any] | None:
+        """The final DeepSpeed JSON after `prepare` (None on the fallback or before `prepare`)."""
+        return self._backend.ds_config
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the current micro-step is an accumulation boundary (the optimizer steps)."""
+        return self._boundary
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def lr_scheduler(self) -> OverflowAwareScheduler | None:
+        """The prepared scheduler: the user's, or DeepSpeed's native one from the config."""
+        return self._scheduler
+
+    # ================================================================= processes
+    def _dist(self) -> bool:
+        self._backend.setup_distributed()
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def process_index(self) -> int:
+        """Global rank of this process."""
+        return dist.get_rank() if self._dist() else 0
+
+    @property
+    def local_process_index(self) -> int:
+        """Rank of this process on its node."""
+        self._dist()
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def num_processes(self) -> int:
+        """World size."""
+        return dist.get_world_size() if self._dist() else 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank trains on (from DeepSpeed's accelerator or accelerate's state)."""
+        device = self._backend.device
+        return torch.device("cpu") if device.type == "cpu" else device
+
+    def wait_for_everyone(self) -> None:
+        """Barrier across all processes."""
+        if self._dist() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the local main process only."""
+        if self.is_local_main_process:
+            builtins.print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on the main process first, then on the others (e.g. dataset caching)."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    # ================================================================= model creation
+    def init_context(self) -> contextlib.AbstractContextManager[None]:
+        """Create models inside this: under ZeRO-3 parameters are partitioned at creation.
+
+        A no-op on other stages and on the fallback. transformers is told about the ZeRO-3
+        config only while the context lasts, so a later plain `from_pretrained` stays plain.
+        """
+        return self._backend.init_context()
+
+    # ================================================================= prepare
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order.
+
+        Returns the prepared objects in the same order (a single object when one is given).
+        "auto" values are filled from the real model, the first dataloader, the optimizer and
+        the world size; dataloaders are sharded across ranks and move batches to `device`.
+        """
+        models = [o for o in objects if isinstance(o, torch.nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        loaders = [o for o in objects if isinstance(o, DataLoader)]
+        schedulers = [o for o in objects if _is_scheduler(o) and not isinstance(o, torch.optim.Optimizer)]
+        known = {id(o) for o in (*models, *optimizers, *loaders, *schedulers)}
+        for obj in objects:
+            if id(obj) not in known:
+                raise TypeError(
+                    f"`prepare` got a {type(obj).__name__}, which is not a model, optimizer, "
+                    "DataLoader or LR scheduler. HINT: pass only those."
+                )
+        for kind, found in (("model", models), ("optimizer", optimizers), ("scheduler", schedulers)):
+            if len(found) > 1:
+                raise ValueError(
+                    f"`prepare` got {len(found)} {kind}s; ds_engine trains one model with one "
+                    f"optimizer and one scheduler per Engine. HINT: use one Engine per model."
+                )
+        if (optimizers or schedulers) and not models and self._model is None:
+            raise ValueError(
+                "`prepare` got an optimizer/scheduler but no model. HINT: pass the model in the "
+                "same call: engine.prepare(model, optimizer, ...)."
+            )
+        self._backend.setup_distributed()
+        prepared: dict[int, Any] = {}
+        for loader in loaders:
+            prepared[id(loader)] = self._prepare_dataloader(loader)
+        if models:
+            model = models[0]
+            optimizer = optimizers[0] if optimizers else None
+            scheduler = schedulers[0] if schedulers else None
+            facts = {
+                "world_size": self.num_processes,
+                "dataloader": loaders[0] if loaders else None,
+                "model": model,
+            }
+            wrapped, backend_optimizer, backend_scheduler = self._backend.prepare_model(
+                model, optimizer, scheduler, facts=facts
+            )
+            self._model = wrapped
+            prepared[id(model)] = wrapped
+            if backend_optimizer is not None:
+                self._optimizer = PreparedOptimizer(backend_optimizer, self)
+                if optimizer is not None:
+                    prepared[id(optimizer)] = self._optimizer
+            if scheduler is not None:
+                self._scheduler = OverflowAwareScheduler(scheduler, self)
+                prepared[id(scheduler)] = self._scheduler
+            elif backend_scheduler is not None:
+                self._scheduler = OverflowAwareScheduler(backend_scheduler, self, engine_steps_it=True)
+        result = tuple(prepared[id(o)] for o in objects)
+        return result[0] if len(result) == 1 else result
+
+    def _prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
+        prepared = PreparedDataLoader(
+            loader,
+            num_replicas=self.num_processes,
+            rank=self.process_index,
+            device=self.device,
+            on_batch=self._on_batch,
+            on_end=self._on_loader_end,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _on_batch(self, loader: PreparedDataLoader, index: int) -> None:
+        if not self._loaders_in_progress or self._loaders_in_progress[-1] is not loader:
+            if loader in self._loaders_in_progress:
+                self._loaders_in_progress.remove(loader)
+            self._loaders_in_progress.append(loader)
+
+    def _on_loader_end(self, loader: PreparedDataLoader) -> None:
+        if loader in self._loaders_in_progress:
+            self._loaders_in_progress.remove(loader)
+
+    # ================================================================= the training step
+    def _begin_micro_step(self) -> None:
+        """Decide whether this micro-step ends an accumulation window, and the window's length."""
+        ga = self.config.gradient_accumulation_steps
+        loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
+        if loader is not None:
+            index, length = loader.batch_index, len(loader)
+            start = (index // ga) * ga
+            window = min(ga, length - start)
+            position = index - start
+        else:
+            position = self._free_micro_steps % ga
+            window = ga
+            self._free_micro_steps += 1
+        self._window_len = window
+        self._window_start = position == 0
+        self._boundary = position + 1 == window
+        self._stepped = False
+        self.num_micro_steps += 1
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Context for one micro-step (forward + backward + optimizer/scheduler calls).
+
+        Gradients are reduced across ranks only at an accumulation boundary; `optimizer.step()`,
+        `scheduler.step()` and `optimizer.zero_grad()` inside it take effect only there.
+        """
+        self._begin_micro_step()
+        model = models[0] if models else self._model
+        self._in_accumulate = True
+        try:
+            context = (
+                self._backend.micro_step_context(
+                    model, boundary=self._boundary, window_start=self._window_start
+                )
+                if model is not None
+                else contextlib.nullcontext()
+            )
+            with context:
+                yield
+        finally:
+            self._in_accumulate = False
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of `loss / window_length`; reduces gradients only at a boundary.
+
+        Outside `accumulate`, each call is one micro-step of its own.
+        """
+        if self._optimizer is None:
+            raise RuntimeError(
+                "`engine.backward` before an optimizer was prepared. HINT: "
+                "engine.prepare(model, optimizer, ...) first."
+            )
+        if kwargs:
+            raise TypeError(f"`engine.backward` got unexpected arguments {sorted(kwargs)}")
+        if not self._in_accumulate:
+            self._begin_micro_step()
+            if self._model is not None:
+                with self._backend.micro_step_context(
+                    self._model, boundary=self._boundary, window_start=self._window_start
+                ):
+                    pass
+        self._backend.backward(loss, scale=1.0 / self._window_len, boundary=self._boundary)
+
+    def _optimizer_step(self) -> None:
+        if not self._boundary or self._stepped:
+            return
+        outcome = self._backend.optimizer_step()
+        self._stepped = True
+        self.step_was_skipped = not outcome.applied
+        if outcome.applied:
+            self.num_optimizer_steps += 1
+        else:
+            self.num_skipped_steps += 1
+        self.grad_norm = outcome.grad_norm
+        self.loss_scale = outcome.loss_scale
+
+    def _zero_grad(self) -> None:
+        if self._boundary:
+            self._backend.zero_grad()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> float | None:
+        """Clip to `max_norm`, which must equal the config's `gradient_clipping`.
+
+        DeepSpeed clips inside its optimizer step with the config's value, so a different
+        `max_norm` would be silently ignored there; ds_engine refuses it on every backend.
+        Returns the pre-clip global norm where it is known now (fallback), else None; after
+        `optimizer.step()` the norm is always in `engine.grad_norm`.
+        """
+        configured = self.config.gradient_clipping
+        if float(max_norm) != float(configured):
+            raise ConfigError(
+                f"`clip_grad_norm_(max_norm={max_norm})` differs from `gradient_clipping={configured}`; "
+                "DeepSpeed clips with the config's value inside its step. HINT: "
+                f"Engine(gradient_clipping={max_norm}, ...) and keep the two equal."
+            )
+        if float(norm_type) != 2.0:
+            raise ConfigError(
+                f"`clip_grad_norm_(norm_type={norm_type})`: only the 2-norm is supported "
+                "(DeepSpeed clips by the global 2-norm). HINT: drop `norm_type`."
+            )
+        if not self._boundary:
+            return None
+        return self._backend.clip_grad_norm_(float(max_norm))
+
+    # ================================================================= utilities
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside a DeepSpeed engine / DDP / compiled wrapper."""
+        model = self._backend.unwrap_model(model)
+        return getattr(model, "_orig_mod", model)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Autocast for the configured precision where the backend needs one (DeepSpeed casts itself)."""
+        return self._backend.autocast()
+
+    def gather(self, data: Any) -> Any:
+        """Concatenate tensors (nested structures too) from every rank along dim 0."""
+        if not self._dist() or dist.get_world_size() == 1:
+            return data
+        return _map_tensors(data, _all_gather_cat)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """`gather`, minus the duplicates padded into the last batch of an epoch."""
+        gathered = self.gather(data)
+        loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
+        if loader is None or loader.batch_index != len(loader) - 1:
+            return gathered
+        seen = loader.batch_index * loader.batch_size * self.num_processes
+        remaining = loader.num_samples - seen
+        return _map_tensors(gathered, lambda t: t[:remaining] if t.dim() > 0 else t)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """All-reduce a tensor across ranks ("sum" or "mean"); returns a new tensor."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"`reduction={reduction!r}`; allowed: 'sum', 'mean'.")
+        result = tensor.detach().clone()
+        if self._dist() and dist.get_world_size() > 1:
+            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                result = result / dist.get_world_size()
+        return result
+
+    # ================================================================= saving
+    def get_state_dict(
+        self, model: torch.nn.Module, *, dtype: torch.dtype | None = None, exclude_frozen: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """The full state dict on rank 0, None on other ranks. Collective: call it on every rank.
+
+        Under ZeRO-3 parameters are gathered layer by layer (rank 0 holds about one copy);
+        `dtype=torch.float32` gives the fp32 master weights; `exclude_frozen` drops
+        parameters with `requires_grad=False` (adapters).
+        """
+        return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen)
+
+
+def _resolve_preset(config: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
+    if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
+        from ds_engine.ds_config import PRESETS, preset_path
+
+        if str(config) in PRESETS:
+            return preset_path(str(config))
+    return config
+
+
+def _map_tensors(data: Any, fn: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _map_tensors(v, fn) for k, v in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn) for v in data)
+    return data
+
+
+def _all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    """all_gather along dim 0, allowing a different dim-0 size per rank."""
+    world = dist.get_world_size()
+    t = tensor.detach()
+    if t.dim() == 0:
+        t = t.unsqueeze(0)
+    dtype = t.dtype
+    if dtype == torch.bool:
+        t = t.to(torch.uint8)
+    t = t.contiguous()
+    size = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    counts = [int(s.item()) for s in sizes]
+    biggest = max(counts)
+    if t.shape[0] < biggest:
+        t = torch.cat([t, t.new_zeros((biggest - t.shape[0], *t.shape[1:]))])
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t)
+    out = torch.cat([p[:n] for p, n in zip(parts, counts)])
+    return out.to(dtype) if dtype == torch.bool else out
+
+
+__all__: Sequence[str] = ("CONFIG_ENV", "Engine")

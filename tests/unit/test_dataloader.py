@@ -1,0 +1,117 @@
+"""Sharding by whole batches: distinct samples per rank, padding only at the end, reshuffle per epoch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from ds_engine.dataloader import PreparedDataLoader, ShardedBatchSampler, move_to_device
+
+
+def shards(num_samples: int, batch: int, world: int, **kw) -> list[list[list[int]]]:
+    return [
+        list(
+            ShardedBatchSampler(
+                num_samples,
+                batch,
+                num_replicas=world,
+                rank=r,
+                shuffle=kw.get("shuffle", False),
+                seed=kw.get("seed", 0),
+                drop_last=kw.get("drop_last", False),
+            )
+        )
+        for r in range(world)
+    ]
+
+
+def test_ranks_get_distinct_consecutive_slices_of_each_global_batch():
+    per_rank = shards(16, 2, 2)
+    assert per_rank[0] == [[0, 1], [4, 5], [8, 9], [12, 13]]
+    assert per_rank[1] == [[2, 3], [6, 7], [10, 11], [14, 15]]
+    seen = sorted(i for rank in per_rank for batch in rank for i in batch)
+    assert seen == list(range(16))
+
+
+def test_uneven_tail_is_padded_from_the_start_so_every_rank_gets_full_batches():
+    per_rank = shards(7, 2, 2)
+    assert [len(b) for b in per_rank[0]] == [2, 2]
+    assert [len(b) for b in per_rank[1]] == [2, 2]
+    # gathered in rank order, the last global batch is [4, 5, 6, 0]: the duplicate is at the end
+    assert per_rank[0][-1] + per_rank[1][-1] == [4, 5, 6, 0]
+
+
+def test_drop_last_drops_the_incomplete_global_batch():
+    per_rank = shards(7, 2, 2, drop_last=True)
+    assert per_rank == [[[0, 1]], [[2, 3]]]
+
+
+def test_shuffle_is_the_same_permutation_on_every_rank_and_changes_per_epoch():
+    a = ShardedBatchSampler(20, 2, num_replicas=2, rank=0, shuffle=True, seed=3, drop_last=False)
+    b = ShardedBatchSampler(20, 2, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=False)
+    epoch0 = [i for batch in list(a) + list(b) for i in batch]
+    assert sorted(epoch0) == list(range(20))
+    a.epoch = b.epoch = 1
+    epoch1 = [i for batch in list(a) + list(b) for i in batch]
+    assert sorted(epoch1) == list(range(20)) and epoch1 != epoch0
+
+
+def _loader(n=10, batch=2, shuffle=False, world=2, rank=0, events=None):
+    events = [] if events is None else events
+    ds = TensorDataset(torch.arange(n).float().unsqueeze(1))
+    return PreparedDataLoader(
+        DataLoader(ds, batch_size=batch, shuffle=shuffle),
+        num_replicas=world,
+        rank=rank,
+        device=torch.device("cpu"),
+        on_batch=lambda dl, i: events.append(i),
+        on_end=lambda dl: events.append("end"),
+    )
+
+
+def test_prepared_loader_reports_each_batch_and_the_end():
+    events: list = []
+    loader = _loader(events=events)
+    batches = [b[0].squeeze(1).tolist() for b in loader]
+    assert batches == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0]]
+    assert events == [0, 1, 2, "end"]
+    assert len(loader) == 3 and loader.num_samples == 10
+
+
+def test_resume_skips_batches_without_loading_them():
+    loader = _loader()
+    loader.load_state_dict({"epoch": 0, "batch_index": 2})
+    assert [b[0].squeeze(1).tolist() for b in loader] == [[8.0, 9.0]]
+    assert next(b[0].squeeze(1).tolist() for b in loader) == [0.0, 1.0]  # next epoch starts at 0
+
+
+def test_epoch_advances_automatically_and_set_epoch_pins_it():
+    loader = _loader(shuffle=True)
+    first = [b[0].squeeze(1).tolist() for b in loader]
+    second = [b[0].squeeze(1).tolist() for b in loader]
+    assert first != second
+    loader.set_epoch(0)
+    assert [b[0].squeeze(1).tolist() for b in loader] == first
+
+
+def test_iterable_dataset_is_refused_with_a_hint():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        PreparedDataLoader(
+            DataLoader(Stream(), batch_size=1),
+            num_replicas=1,
+            rank=0,
+            device=torch.device("cpu"),
+            on_batch=lambda *a: None,
+            on_end=lambda *a: None,
+        )
+
+
+def test_move_to_device_keeps_structure():
+    batch = {"a": torch.ones(1), "b": [torch.zeros(1), 3], "c": (torch.ones(2),)}
+    moved = move_to_device(batch, torch.device("cpu"))
+    assert set(moved) == {"a", "b", "c"} and moved["b"][1] == 3 and isinstance(moved["c"], tuple)
