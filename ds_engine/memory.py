@@ -199,22 +199,28 @@ class Recommendation:
     """The cheapest stage/offload choice that fits, why, and every choice considered."""
 
     estimate: MemoryEstimate
+    """The chosen stage/offload and its figures."""
     reason: str
+    """Why this choice, in words (what it needs, which cheaper choices did not fit)."""
     candidates: tuple[MemoryEstimate, ...]
+    """Every choice in `CHOICES` order."""
     accelerator_memory_bytes: int
     host_memory_bytes: int | None
     headroom: float
 
     @property
     def zero_stage(self) -> int:
+        """The recommended ZeRO stage."""
         return self.estimate.zero_stage
 
     @property
     def offload_optimizer(self) -> OffloadDevice:
+        """The recommended `offload_optimizer` device."""
         return self.estimate.offload_optimizer
 
     @property
     def offload_params(self) -> OffloadDevice:
+        """The recommended `offload_params` device."""
         return self.estimate.offload_params
 
 
