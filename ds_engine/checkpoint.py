@@ -182,16 +182,30 @@ def _plan(module: nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool)
     return entries
 
 
+#: Consecutive small layers are gathered together up to this many bytes (fewer collectives); a
+#: layer larger than this is gathered alone. It bounds the transient extra memory per gather.
+GATHER_BUCKET_BYTES = 16 * 2**20
+
+
 def _groups(entries: list[_Entry]) -> Iterator[list[_Entry]]:
-    """Consecutive runs of entries owned by one submodule (the unit of one ZeRO-3 gather)."""
-    run: list[_Entry] = []
+    """The unit of one ZeRO-3 gather: whole submodules' entries, merged up to the bucket size."""
+    layers: list[list[_Entry]] = []
     for entry in entries:
-        if run and entry.owner != run[-1].owner:
-            yield run
-            run = []
-        run.append(entry)
-    if run:
-        yield run
+        if layers and entry.owner == layers[-1][-1].owner:
+            layers[-1].append(entry)
+        else:
+            layers.append([entry])
+    bucket: list[_Entry] = []
+    size = 0
+    for layer in layers:
+        nbytes = sum(e.nbytes for e in layer)
+        if bucket and size + nbytes > GATHER_BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(layer)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 # --------------------------------------------------------------------------- gathering
@@ -317,7 +331,8 @@ def consolidated_state_dict(
     """Collect the full state dict of `module` on rank 0 (collective: every rank calls it).
 
     Under ZeRO-3 the partitions are gathered one submodule at a time and copied to CPU on
-    rank 0 only, so rank 0 holds about one copy of the weights plus one layer; no DeepSpeed
+    rank 0 only, so rank 0 holds about one copy of the weights plus one gather bucket (whole
+    layers, up to `GATHER_BUCKET_BYTES`, or one larger layer); no DeepSpeed
     flag (`stage3_gather_16bit_weights_on_model_save`) is needed.
 
     Args:
