@@ -475,6 +475,37 @@ class Engine:
         """
         return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen)
 
+    def save_pretrained(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        *,
+        tokenizer: Any = None,
+        max_shard_size: int | str = "5GB",
+        safe_serialization: bool = True,
+        dtype: torch.dtype | None = None,
+        exclude_frozen: bool = False,
+    ) -> None:
+        """Write a complete model folder that plain `from_pretrained` reloads. Collective.
+
+        Rank 0 writes safetensors (sharded with an index past `max_shard_size`), the model
+        config and the tokenizer into a temporary sibling and renames it into place, so a
+        crash never leaves a folder that looks complete. Under ZeRO-3 weights are gathered
+        and written shard by shard: rank 0 never holds more than one shard plus one layer.
+        """
+        from ds_engine.checkpoint import save_pretrained
+
+        save_pretrained(
+            self.unwrap_model(model),
+            save_directory,
+            ds_engine=self._backend.ds_engine,
+            tokenizer=tokenizer,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            dtype=dtype,
+            exclude_frozen=exclude_frozen,
+        )
+
 
 def _resolve_preset(config: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
     if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):

@@ -58,6 +58,13 @@ class AccelerateBackend(Backend):
                     init_scale=2.0**eff.initial_scale_power, growth_interval=eff.loss_scale_window
                 )
             )
+        from accelerate.state import AcceleratorState
+
+        state = AcceleratorState._shared_state
+        if state and state.get("_mixed_precision") not in (None, self._mixed_precision()):
+            # accelerate keeps one process-wide precision; a second Engine with another
+            # precision gets a fresh AcceleratorState on the same process group.
+            AcceleratorState._reset_state(reset_partial_state=False)
         # cpu=True is what makes accelerate form a multi-process gloo group on CPU ranks.
         self.accelerator = Accelerator(
             cpu=self._cpu_only(),

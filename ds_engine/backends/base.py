@@ -34,6 +34,8 @@ class Backend(abc.ABC):
     """A training backend: process group, model wrapping, backward and optimizer step."""
 
     name: str = ""
+    ds_engine: Any = None
+    """The DeepSpeedEngine after `prepare` (None on other backends)."""
 
     def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
         self.config = config  # the user's choices (explicit fields tracked)
