@@ -1,0 +1,154 @@
+"""Engine behaviour in a single process (no launcher): backend choice, errors, boundaries."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ds_engine import ConfigError, Engine
+from ds_engine._imports import is_deepspeed_available
+
+
+def _loader(n: int = 10, batch: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
+    )
+
+
+def _train(engine: Engine, n: int = 10) -> list[bool]:
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = engine.prepare(model, optimizer, _loader(n))
+    boundaries = []
+    for x, y in loader:
+        with engine.accumulate(model):
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        boundaries.append(engine.sync_gradients)
+    return boundaries
+
+
+def test_unknown_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match="backend='magic'"):
+        Engine(backend="magic")
+
+
+def test_unknown_choice_names_the_closest_field():
+    with pytest.raises(ConfigError, match="zero_stage"):
+        Engine(backend="accelerate", zero_stag=2)
+
+
+def test_bad_choice_value_is_reported_before_any_process_group():
+    import torch.distributed as dist
+
+    with pytest.raises(ConfigError, match="zero_stage"):
+        Engine(backend="accelerate", zero_stage=4)
+    assert not dist.is_initialized()
+
+
+def test_conflict_between_json_and_choice_is_an_error():
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
+        Engine({"zero_optimization": {"stage": 3}}, backend="accelerate", zero_stage=2)
+
+
+def test_fallback_lists_every_choice_it_cannot_honour_in_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Engine(backend="accelerate", zero_stage=3, offload_optimizer="cpu", precision="fp16")
+    messages = [str(w.message) for w in caught if "cannot honour" in str(w.message)]
+    assert len(messages) == 1
+    for expected in ("zero_stage=3", "offload_optimizer='cpu'", "precision='fp16'"):
+        assert expected in messages[0]
+
+
+def test_boundaries_every_ga_micro_steps_and_at_the_end_of_the_loader():
+    engine = Engine(backend="accelerate", gradient_accumulation_steps=4)
+    # 5 batches: windows of 4 and a short last window of 1
+    assert _train(engine) == [False, False, False, True, True]
+    assert engine.num_optimizer_steps == 2 and engine.num_micro_steps == 5
+
+
+def test_backward_outside_accumulate_counts_its_own_micro_steps():
+    engine = Engine(backend="accelerate", gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    seen = []
+    for _ in range(4):
+        engine.backward(model(torch.ones(1, 4)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(engine.sync_gradients)
+    assert seen == [False, True, False, True] and engine.num_optimizer_steps == 2
+
+
+def test_clip_grad_norm_must_match_the_configured_clipping():
+    engine = Engine(backend="accelerate", gradient_clipping=1.0)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.backward(model(torch.ones(1, 4)).sum())
+    with pytest.raises(ConfigError, match=r"gradient_clipping=1\.0"):
+        engine.clip_grad_norm_(model.parameters(), 0.5)
+    norm = engine.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    assert norm is not None and engine.grad_norm == pytest.approx(norm)
+
+
+def test_prepare_refuses_objects_it_does_not_know():
+    engine = Engine(backend="accelerate")
+    with pytest.raises(TypeError, match="str"):
+        engine.prepare("not a model")
+
+
+def test_prepare_refuses_two_models():
+    engine = Engine(backend="accelerate")
+    with pytest.raises(ValueError, match="2 models"):
+        engine.prepare(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+
+
+def test_backward_before_prepare_says_what_to_do():
+    engine = Engine(backend="accelerate")
+    with pytest.raises(RuntimeError, match="prepare"):
+        engine.backward(torch.ones(1, requires_grad=True).sum())
+
+
+def test_prepare_returns_objects_in_the_order_given():
+    engine = Engine(backend="accelerate")
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = _loader()
+    out = engine.prepare(loader, scheduler, model, optimizer)
+    names = [type(o).__name__ for o in out]
+    assert names[0] == "PreparedDataLoader" and names[1] == "OverflowAwareScheduler"
+    assert names[3] == "PreparedOptimizer" and engine.unwrap_model(out[2]) is model
+    assert engine.backend_name == "accelerate" and engine.ds_config is None
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_backend_single_process_builds_and_exposes_its_config():
+    engine = Engine(backend="deepspeed", gradient_accumulation_steps=2, gradient_clipping=1.0)
+    assert _train(engine) == [False, True, False, True, True]
+    assert engine.backend_name == "deepspeed"
+    cfg = engine.ds_config
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["train_batch_size"] == 4 and cfg["gradient_clipping"] == 1.0
+    assert engine.num_optimizer_steps == 3
+
+
+@pytest.mark.nodeepspeed
+def test_without_deepspeed_auto_warns_once_and_explicit_request_says_how_to_install():
+    assert not is_deepspeed_available()
+    with pytest.raises(ImportError, match=r"ds-engine\[deepspeed\]"):
+        Engine(backend="deepspeed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = Engine()
+    relevant = [w for w in caught if "DeepSpeed is not installed" in str(w.message)]
+    assert len(relevant) == 1 and "ds-engine[deepspeed]" in str(relevant[0].message)
+    assert engine.backend_name == "accelerate"
