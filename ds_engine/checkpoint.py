@@ -22,6 +22,7 @@ import contextlib
 import copy
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Iterator, Mapping
@@ -904,3 +905,705 @@ def _zero_stage(tag_dir: Path) -> int:
         return 0
     optim = state.get("optimizer_state_dict", {}) if isinstance(state, dict) else {}
     return int(optim.get("zero_stage", 0)) if isinstance(optim, dict) else 0
+
+
+# =========================================================================== training checkpoints
+# A training checkpoint is a folder `directory/` holding one sub-folder per tag and a `latest`
+# file naming the newest tag:
+#
+#   directory/latest                      the newest tag (written last, atomically)
+#   directory/<tag>/ds_engine_meta.json   backend, ZeRO stage, world size, precision, versions
+#   directory/<tag>/engine_state.pt       counters, scheduler, dataloader positions, client_state
+#   directory/<tag>/rng_state_rank<R>.pt  python / numpy / torch RNG of rank R
+#   directory/<tag>/config.json           the model's HF config (so `ds-engine consolidate` finds it)
+#   directory/<tag>/...                   DeepSpeed's own files (`mp_rank_00_model_states.pt`,
+#                                         `*zero_pp_rank_*_optim_states.pt`), or on the fallback
+#                                         `model_states.pt` + `optimizer_states.pt` (full states)
+#
+# A tag is written into `directory/.<tag>.tmp/<tag>` by every rank, then rank 0 renames it into
+# place after a barrier, so a crash never leaves a tag folder that looks complete. This assumes
+# the ranks share a filesystem (as DeepSpeed's own `latest` file does). Every file ds_engine
+# reads back is loaded with `torch.load(weights_only=True)`; DeepSpeed's own files are read by
+# DeepSpeed's loader.
+
+CHECKPOINT_META_NAME = "ds_engine_meta.json"
+ENGINE_STATE_NAME = "engine_state.pt"
+FALLBACK_MODEL_NAME = "model_states.pt"
+FALLBACK_OPTIMIZER_NAME = "optimizer_states.pt"
+LATEST_NAME = "latest"
+CHECKPOINT_FORMAT = 1
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+
+
+def rng_state_name(rank: int) -> str:
+    """File name of rank `rank`'s RNG state inside a tag folder."""
+    return f"rng_state_rank{rank}.pt"
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist_ready() else 1
+
+
+def _barrier() -> None:
+    if _dist_ready() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _raise_problem(problem: tuple[str, str] | None) -> None:
+    """Raise `problem` = (exception kind, message), the same on every rank that got it."""
+    if problem:
+        kind, message = problem
+        raise {"FileNotFoundError": FileNotFoundError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
+            message
+        )
+
+
+# --------------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy and torch (and CUDA) RNG states, as weights-only-safe types."""
+    import random
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        np = None  # type: ignore[assignment]
+    if np is not None:
+        numpy_state = np.random.get_state(legacy=False)
+        assert isinstance(numpy_state, dict)
+        # numpy arrays need an allowlist under weights_only; a tensor of the same words does not
+        state["numpy"] = {
+            "bit_generator": str(numpy_state["bit_generator"]),
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    import random
+
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        saved = state["numpy"]
+        np.random.set_state(
+            {
+                "bit_generator": saved["bit_generator"],
+                "state": {"key": saved["key"].numpy().astype(np.uint32), "pos": saved["pos"]},
+                "has_gauss": saved["has_gauss"],
+                "gauss": saved["gauss"],
+            }
+        )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- small safe files
+def _save_safe(obj: Any, path: Path, what: str) -> None:
+    """`torch.save`, then prove the file loads with `weights_only=True` (no code on load)."""
+    try:
+        torch.save(obj, path)
+        torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.PicklingError, pickle.UnpicklingError, AttributeError, TypeError, RuntimeError) as exc:
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        detail = next((line.split("error: ")[-1] for line in lines if "Unsupported global" in line), lines[0])
+        raise TypeError(
+            f"{what} holds an object that cannot be loaded without running code ({detail}); allowed: "
+            "tensors, numbers, strings, None, and lists/tuples/dicts of them. HINT: convert it (e.g. "
+            "numpy arrays to tensors, objects to dicts) before `save_checkpoint`."
+        ) from None
+    _fsync_file(path)
+
+
+def _load_safe(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}). "
+            "HINT: the file is truncated or corrupt; load an older tag with `tag=...`."
+        ) from None
+
+
+def _truncated(path: Path) -> str:
+    """'' when the torch.save zip archive at `path` is whole (its central directory is readable)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"{exc}"
+    return ""
+
+
+# --------------------------------------------------------------------------- engine state
+def _loader_position(loader: Any) -> dict[str, Any]:
+    """Where `loader` resumes: the batch after the current one while iterating, else batch 0."""
+    epoch = int(loader.epoch)
+    next_batch = int(loader.batch_index) + 1 if loader.in_progress else 0
+    if next_batch >= len(loader):  # saved on the last batch: the next epoch, from its start
+        epoch, next_batch = epoch + 1, 0
+    return {
+        "epoch": epoch,
+        "next_batch": next_batch,
+        "batch_size": int(loader.batch_size),
+        "num_replicas": int(loader.batch_sampler.num_replicas),
+        "num_samples": int(loader.num_samples),
+        "epoch_set_explicitly": bool(getattr(loader, "_epoch_set_explicitly", False)),
+    }
+
+
+def _restore_loader(loader: Any, saved: Mapping[str, Any], index: int) -> None:
+    next_batch = int(saved["next_batch"])
+    old_global = int(saved["batch_size"]) * int(saved["num_replicas"])
+    new_global = int(loader.batch_size) * int(loader.batch_sampler.num_replicas)
+    if int(saved["num_samples"]) != int(loader.num_samples):
+        raise ValueError(
+            f"prepared dataloader #{index} has {loader.num_samples} samples but the checkpoint's had "
+            f"{saved['num_samples']}; the saved position would point elsewhere. HINT: resume with the "
+            "same data set."
+        )
+    if old_global != new_global:
+        samples = next_batch * old_global
+        next_batch, rest = divmod(samples, new_global)
+        if rest:
+            import warnings
+
+            warnings.warn(
+                f"ds_engine: dataloader #{index} resumed at sample {samples}, which is not a multiple "
+                f"of the new global batch ({new_global}); it restarts at sample {next_batch * new_global} "
+                f"({rest} samples are seen again).",
+                stacklevel=4,
+            )
+    loader.load_state_dict({"epoch": int(saved["epoch"]), "batch_index": next_batch})
+    if hasattr(loader, "_epoch_set_explicitly"):
+        # load_state_dict pins the epoch; the saved run may have let it advance by itself
+        loader._epoch_set_explicitly = bool(saved["epoch_set_explicitly"])
+
+
+def _engine_state(engine: Any, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
+    scheduler = engine._scheduler
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "counters": {
+            "num_micro_steps": int(engine.num_micro_steps),
+            "num_optimizer_steps": int(engine.num_optimizer_steps),
+            "num_skipped_steps": int(engine.num_skipped_steps),
+            "free_micro_steps": int(engine._free_micro_steps),
+        },
+        "step_was_skipped": bool(engine.step_was_skipped),
+        "grad_norm": engine.grad_norm,
+        "loss_scale": engine.loss_scale,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "dataloaders": [_loader_position(loader) for loader in engine._dataloaders],
+        "client_state": dict(client_state or {}),
+    }
+
+
+def _restore_engine_state(engine: Any, state: Mapping[str, Any]) -> None:
+    counters = state["counters"]
+    engine.num_micro_steps = int(counters["num_micro_steps"])
+    engine.num_optimizer_steps = int(counters["num_optimizer_steps"])
+    engine.num_skipped_steps = int(counters["num_skipped_steps"])
+    engine._free_micro_steps = int(counters["free_micro_steps"])
+    engine.step_was_skipped = bool(state["step_was_skipped"])
+    engine.grad_norm = state["grad_norm"]
+    engine.loss_scale = state["loss_scale"]
+    engine._boundary = True
+    scheduler = engine._scheduler
+    saved_scheduler = state["scheduler"]
+    if (scheduler is None) != (saved_scheduler is None):
+        raise ValueError(
+            "the checkpoint "
+            + (
+                "has a scheduler state but no scheduler was prepared"
+                if scheduler is None
+                else "has no scheduler"
+            )
+            + ". HINT: pass the same objects to `engine.prepare` as in the run that saved it."
+        )
+    if scheduler is not None:
+        scheduler.load_state_dict(saved_scheduler)
+        _sync_lr_with_scheduler(scheduler)
+    loaders, saved_loaders = engine._dataloaders, state["dataloaders"]
+    if len(loaders) != len(saved_loaders):
+        raise ValueError(
+            f"{len(loaders)} dataloaders are prepared but the checkpoint holds {len(saved_loaders)} "
+            "positions. HINT: prepare the same dataloaders, in the same order, as the run that saved it."
+        )
+    for index, (loader, saved) in enumerate(zip(loaders, saved_loaders)):
+        _restore_loader(loader, saved, index)
+
+
+def _sync_lr_with_scheduler(scheduler: Any) -> None:
+    """Put the restored schedule's current lr into the optimizer (as its last `step()` did)."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    optimizer = getattr(inner, "optimizer", None)
+    last = getattr(inner, "_last_lr", None)
+    if optimizer is None or not last or len(last) != len(optimizer.param_groups):
+        return
+    for group, lr in zip(optimizer.param_groups, last):
+        group["lr"] = lr
+
+
+# --------------------------------------------------------------------------- metadata
+def _checkpoint_meta(engine: Any, tag: str) -> dict[str, Any]:
+    import time
+
+    from ds_engine import __version__
+    from ds_engine._imports import deepspeed_version
+
+    backend = engine.backend_name
+    deepspeed = deepspeed_version() if backend == "deepspeed" else None
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "tag": tag,
+        "backend": backend,
+        "zero_stage": int(engine.config.zero_stage) if backend == "deepspeed" else None,
+        "world_size": _world(),
+        "precision": engine.config.precision,
+        "gradient_accumulation_steps": int(engine.config.gradient_accumulation_steps),
+        "num_optimizer_steps": int(engine.num_optimizer_steps),
+        "ds_engine_version": __version__,
+        "torch_version": torch.__version__,
+        "deepspeed_version": None if deepspeed is None else str(deepspeed),
+        "saved_at": time.time(),
+    }
+
+
+def _check_tag_name(tag: str) -> None:
+    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag == LATEST_NAME or tag.endswith(".tmp"):
+        raise ValueError(
+            f"`tag`={tag!r} is not a usable tag; allowed: letters, digits and _ . + = - (not starting "
+            f"with '.' or '-', not {LATEST_NAME!r}, no '/'). HINT: use tag='step_100'."
+        )
+
+
+def _tags(directory: Path) -> list[str]:
+    """Sub-folders of `directory` that are ds_engine checkpoint tags, oldest first."""
+    found = []
+    for sub in directory.iterdir() if directory.is_dir() else ():
+        meta = sub / CHECKPOINT_META_NAME
+        if sub.is_dir() and not sub.name.startswith(".") and meta.is_file():
+            try:
+                saved_at = float(json.loads(meta.read_text(encoding="utf-8")).get("saved_at", 0.0))
+            except (OSError, ValueError):
+                saved_at = 0.0
+            found.append((saved_at, sub.name))
+    return [name for _, name in sorted(found)]
+
+
+# --------------------------------------------------------------------------- save
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_training_checkpoint(
+    engine: Any,
+    directory: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write a resumable checkpoint of `engine` (collective: every rank calls it).
+
+    See `Engine.save_checkpoint` for the contract; this is its implementation.
+
+    Returns:
+        The published tag folder, ``directory/<tag>``.
+    """
+    if engine._model is None:
+        raise RuntimeError(
+            "`save_checkpoint` before `prepare`: there is no model to save. HINT: call "
+            "`engine.prepare(model, optimizer, ...)` first."
+        )
+    if not engine.sync_gradients:
+        raise RuntimeError(
+            f"`save_checkpoint` in the middle of an accumulation window (micro-step "
+            f"{engine.num_micro_steps}, GA={engine.gradient_accumulation_steps}): the gradients "
+            "accumulated so far are not saved. HINT: save right after `optimizer.step()` at a boundary, "
+            "i.e. when `engine.sync_gradients` is True."
+        )
+    if tag is None:
+        tag = f"step_{engine.num_optimizer_steps + engine.num_skipped_steps}"
+    _check_tag_name(tag)
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"`keep_last`={keep_last!r} must be a positive int or None (keep all). HINT: keep_last=3."
+        )
+    target_root = Path(directory).absolute()
+    rank = _rank()
+    problem = None
+    if rank == 0 and target_root.exists() and not target_root.is_dir():
+        problem = (
+            "ValueError",
+            f"`directory`={str(target_root)!r} is a file, not a folder. HINT: pass a folder path "
+            "(created if missing).",
+        )
+    _raise_problem(_broadcast_from_rank0(problem))
+
+    staging_root = target_root / f".{tag}.tmp"
+    staging = staging_root / tag
+    if rank == 0:
+        shutil.rmtree(staging_root, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    error: BaseException | None = None
+    try:
+        engine._backend.save_checkpoint(staging_root, tag, {})
+        _save_safe(capture_rng_state(), staging / rng_state_name(rank), "the RNG state")
+        if rank == 0:
+            _save_safe(_engine_state(engine, client_state), staging / ENGINE_STATE_NAME, "`client_state`")
+            module = engine.unwrap_model(engine._model)
+            if _is_hf_model(module):
+                _save_hf_config(module, staging, None)
+            _write_json(staging / CHECKPOINT_META_NAME, _checkpoint_meta(engine, tag))
+    except BaseException as exc:  # every rank must still reach the barrier below
+        error = exc
+    failed = _any_rank_failed(error is not None)
+    if not failed:
+        _barrier()
+        if rank == 0:
+            try:
+                _publish(staging, target_root / tag)
+                shutil.rmtree(staging_root, ignore_errors=True)
+                _write_text_atomic(target_root / LATEST_NAME, tag)
+                if keep_last is not None:
+                    for old in _tags(target_root)[:-keep_last]:
+                        if old != tag:
+                            shutil.rmtree(target_root / old, ignore_errors=True)
+            except BaseException as exc:
+                error = exc
+        failed = _any_rank_failed(error is not None)
+    if failed:
+        if rank == 0:
+            shutil.rmtree(staging_root, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"another rank failed while writing checkpoint {str(target_root / tag)!r}; nothing was "
+            "published. HINT: see that rank's error above."
+        )
+    return target_root / tag
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    if not _dist_ready() or torch.distributed.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":  # pragma: no cover - GPU runs
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+# --------------------------------------------------------------------------- load
+def _read_meta(tag_dir: Path) -> dict[str, Any]:
+    path = tag_dir / CHECKPOINT_META_NAME
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(
+            f"checkpoint file {str(path)!r} is not valid JSON ({exc}). HINT: the file is truncated or "
+            "corrupt; load an older tag with `tag=...`."
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{str(path)!r} has format {meta.get('format') if isinstance(meta, dict) else meta!r}; this "
+            f"ds_engine reads format {CHECKPOINT_FORMAT}. HINT: load it with the ds_engine version that "
+            "wrote it."
+        )
+    return meta
+
+
+def resolve_checkpoint(
+    directory: str | os.PathLike[str], tag: str | None = None
+) -> tuple[str, Path, dict[str, Any]]:
+    """Find and check a tag of a ds_engine training checkpoint (no process group needed).
+
+    Args:
+        directory: The folder given to `save_checkpoint`.
+        tag: A tag in it; default: the one named in its `latest` file.
+
+    Returns:
+        (tag, tag folder, the tag's metadata).
+
+    Raises:
+        FileNotFoundError: The folder, its `latest` file, or the tag does not exist.
+        ValueError: The folder is not a ds_engine checkpoint, or a file in it is truncated.
+    """
+    root = Path(directory).absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint folder {str(root)!r} does not exist (or is not a folder). HINT: pass the "
+            "folder given to `engine.save_checkpoint`."
+        )
+    tags = _tags(root)
+    if tag is None:
+        latest = root / LATEST_NAME
+        if not latest.is_file():
+            if (root / CHECKPOINT_META_NAME).is_file():
+                raise ValueError(
+                    f"{str(root)!r} is a tag folder, not a checkpoint folder. HINT: pass its parent "
+                    f"{str(root.parent)!r} with tag={root.name!r}."
+                )
+            raise ValueError(
+                f"{str(root)!r} is not a ds_engine checkpoint: no `{LATEST_NAME}` file; found: "
+                f"{_listing(root)}. HINT: pass the folder given to `engine.save_checkpoint`"
+                + (f", or one of its tags with `tag=` ({', '.join(tags)})." if tags else ".")
+            )
+        tag = latest.read_text(encoding="utf-8").strip()
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(
+            f"tag {tag!r} not found in {str(root)!r}; tags found: {', '.join(tags) or 'none'}. "
+            "HINT: pass one of them with `tag=`."
+        )
+    if not (tag_dir / CHECKPOINT_META_NAME).is_file():
+        raise ValueError(
+            f"{str(tag_dir)!r} is not a ds_engine checkpoint tag (no `{CHECKPOINT_META_NAME}`); found: "
+            f"{_listing(tag_dir)}. HINT: point at a folder written by `engine.save_checkpoint` (a raw "
+            "DeepSpeed checkpoint can be turned into weights with `ds-engine consolidate`)."
+        )
+    meta = _read_meta(tag_dir)
+    if not (tag_dir / ENGINE_STATE_NAME).is_file():
+        raise ValueError(
+            f"{str(tag_dir)!r} lacks `{ENGINE_STATE_NAME}`; the checkpoint is incomplete. HINT: load "
+            "an older tag with `tag=`."
+        )
+    for path in sorted(tag_dir.glob("*.pt")):
+        broken = _truncated(path)
+        if broken:
+            raise ValueError(
+                f"checkpoint file {str(path)!r} is truncated or corrupt ({broken}). HINT: load an older "
+                f"tag with `tag=` ({', '.join(t for t in tags if t != tag) or 'none other saved'})."
+            )
+    return tag, tag_dir, meta
+
+
+def _zero_partition_files(tag_dir: Path) -> list[Path]:
+    return sorted(tag_dir.glob("*zero_pp_rank_*optim_states.pt"))
+
+
+def _compatibility(engine: Any, meta: Mapping[str, Any], tag_dir: Path) -> tuple[str, bool]:
+    """('' or the error message, whether DeepSpeed must load through a universal checkpoint)."""
+    backend, world = engine.backend_name, _world()
+    where = str(tag_dir)
+    consolidate_hint = (
+        f"HINT: turn it into weights with `ds-engine consolidate {tag_dir.parent} OUT --tag {tag_dir.name}`, "
+        "load them with `from_pretrained(OUT)` before `prepare` (the optimizer starts fresh), "
+    )
+    if meta["backend"] != backend:
+        return (
+            f"{where!r} was written by the {meta['backend']!r} backend but this Engine runs {backend!r}; "
+            f"their optimizer files differ. {consolidate_hint}or resume with "
+            f"Engine(backend={meta['backend']!r}).",
+            False,
+        )
+    if backend != "deepspeed":
+        return "", False
+    stage = int(engine.config.zero_stage)
+    if meta["zero_stage"] != stage:
+        return (
+            f"{where!r} was written with zero_stage={meta['zero_stage']} but this Engine runs "
+            f"zero_stage={stage}; ZeRO stages partition the optimizer differently. {consolidate_hint}"
+            f"or resume with zero_stage={meta['zero_stage']}.",
+            False,
+        )
+    if meta["precision"] != engine.config.precision:
+        return (
+            f"{where!r} was written with precision={meta['precision']!r} but this Engine runs "
+            f"precision={engine.config.precision!r}. {consolidate_hint}or resume with "
+            f"precision={meta['precision']!r}.",
+            False,
+        )
+    if int(meta["world_size"]) != world and _zero_partition_files(tag_dir):
+        return "", True  # partitioned optimizer states: re-partitioned through a universal checkpoint
+    return "", False
+
+
+def load_training_checkpoint(
+    engine: Any, directory: str | os.PathLike[str], *, tag: str | None = None
+) -> dict[str, Any]:
+    """Restore `engine` from a checkpoint (collective). See `Engine.load_checkpoint`."""
+    if engine._model is None:
+        raise RuntimeError(
+            "`load_checkpoint` before `prepare`: there is nothing to load into. HINT: call "
+            "`engine.prepare(model, optimizer, dataloader, scheduler)` with the same objects as the "
+            "run that saved it, then `load_checkpoint`."
+        )
+    rank, world = _rank(), _world()
+    outcome: Any = None
+    if rank == 0:
+        try:
+            found_tag, tag_dir, meta = resolve_checkpoint(directory, tag)
+            problem, universal = _compatibility(engine, meta, tag_dir)
+            outcome = (("ValueError", problem) if problem else None, found_tag, universal, meta)
+        except (FileNotFoundError, ValueError) as exc:
+            outcome = ((type(exc).__name__, str(exc)), None, False, None)
+    problem, found_tag, universal, meta = _broadcast_from_rank0(outcome)
+    _raise_problem(problem)
+    root = Path(directory).absolute()
+    tag_dir = root / found_tag
+    if universal:
+        _load_deepspeed_universal(engine, root, found_tag, meta)
+    else:
+        engine._backend.load_checkpoint(root, found_tag)
+    state = _load_safe(tag_dir / ENGINE_STATE_NAME)
+    _restore_engine_state(engine, state)
+    rng_path = tag_dir / rng_state_name(rank)
+    if rng_path.is_file():
+        restore_rng_state(_load_safe(rng_path))
+    else:
+        import warnings
+
+        warnings.warn(
+            f"ds_engine: the checkpoint was written by {meta['world_size']} ranks, so rank {rank} of "
+            f"{world} has no saved RNG state; its RNG is left as it is.",
+            stacklevel=3,
+        )
+    return dict(state["client_state"])
+
+
+# --------------------------------------------------------------------------- backend parts
+def save_deepspeed_states(
+    ds_engine: Any, staging_root: Path, tag: str, client_state: Mapping[str, Any]
+) -> None:
+    """DeepSpeed's own checkpoint of model + optimizer (+ its scheduler) into `staging_root/tag`."""
+    ds_engine.save_checkpoint(str(staging_root), tag=tag, client_state=dict(client_state), save_latest=False)
+
+
+def load_deepspeed_states(ds_engine: Any, root: Path, tag: str) -> dict[str, Any]:
+    """Load `root/tag` with DeepSpeed (model, optimizer and partitions, its scheduler)."""
+    load_path, client_state = ds_engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if load_path is None:
+        raise RuntimeError(
+            f"DeepSpeed could not load {str(root / tag)!r} (see its log above). HINT: check that the "
+            "model is the one that was saved."
+        )
+    return dict(client_state or {})
+
+
+def save_full_states(tag_dir: Path, *, model: nn.Module, optimizer: Any, scaler: Any = None) -> None:
+    """The fallback's world-size-independent files: full model and optimizer states (rank 0 writes)."""
+    if _rank() != 0:
+        return
+    _save_safe({"module": model.state_dict()}, tag_dir / FALLBACK_MODEL_NAME, "the model state")
+    _save_safe(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        },
+        tag_dir / FALLBACK_OPTIMIZER_NAME,
+        "the optimizer state",
+    )
+
+
+def load_full_states(tag_dir: Path, *, model: nn.Module, optimizer: Any, scaler: Any = None) -> None:
+    """Inverse of `save_full_states`, on every rank."""
+    for name in (FALLBACK_MODEL_NAME, FALLBACK_OPTIMIZER_NAME):
+        if not (tag_dir / name).is_file():
+            raise ValueError(
+                f"{str(tag_dir)!r} has no `{name}`; it is not a checkpoint of the accelerate fallback. "
+                "HINT: load it with the backend that wrote it (see its ds_engine_meta.json)."
+            )
+    module_state = _load_safe(tag_dir / FALLBACK_MODEL_NAME)["module"]
+    model.load_state_dict(module_state)
+    states = _load_safe(tag_dir / FALLBACK_OPTIMIZER_NAME)
+    optimizer.load_state_dict(states["optimizer"])
+    if scaler is not None and states.get("scaler") is not None:
+        scaler.load_state_dict(states["scaler"])
+
+
+UNIVERSAL_SUFFIX = ".universal"
+
+
+def convert_to_universal(tag_dir: Path) -> Path:
+    """Convert a DeepSpeed ZeRO tag folder to a universal checkpoint next to it (offline, rank 0).
+
+    The result, ``<tag>.universal`` beside the tag folder, is cached: a second resume on
+    another world size reuses it. Written under a temporary name and renamed into place.
+    """
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+    if target.is_dir():
+        return target
+    tmp = _tmp_sibling(target, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(tmp),
+        num_extract_workers=1,  # in this process: no worker pool
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    try:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # it prints progress
+            ds_to_universal(args)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _load_deepspeed_universal(engine: Any, root: Path, tag: str, meta: Mapping[str, Any]) -> None:
+    """Re-partition a ZeRO checkpoint for another world size via DeepSpeed's universal checkpoint."""
+    import warnings
+
+    rank = _rank()
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            convert_to_universal(root / tag)
+        except BaseException as exc:  # the other ranks wait at the collective below
+            error = exc
+    if _any_rank_failed(error is not None):
+        if error is not None:
+            raise ValueError(
+                f"{str(root / tag)!r} was written by {meta['world_size']} ranks and this run has "
+                f"{_world()}; converting it to a DeepSpeed universal checkpoint failed "
+                f"({type(error).__name__}: {error}). HINT: resume on {meta['world_size']} ranks, or "
+                f"`ds-engine consolidate {root} OUT --tag {tag}` and start from those weights."
+            ) from error
+        raise RuntimeError(
+            "rank 0 failed to convert the checkpoint to a universal checkpoint (see its error)."
+        )
+    ds_engine = engine._backend.ds_engine
+    config = ds_engine._config
+    previous = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True  # read by DeepSpeed at load time only
+    try:
+        engine._backend.load_checkpoint(root, tag + UNIVERSAL_SUFFIX)
+    finally:
+        config.load_universal_checkpoint = previous
+    warnings.warn(
+        f"ds_engine: resumed a checkpoint of {meta['world_size']} ranks on {_world()} through DeepSpeed's "
+        "universal checkpoint (model, optimizer and schedule carried over; the data order continues "
+        "by sample count; ranks without a saved RNG state keep their own).",
+        stacklevel=4,
+    )

@@ -1,0 +1,138 @@
+"""Resume: train N steps, save mid-epoch, load in new processes, train M more; the weights equal
+an uninterrupted N+M run (fp32), on DeepSpeed ZeRO 0-3 and the accelerate fallback, and across
+world sizes (2 -> 1 and 1 -> 2 ranks).
+
+Three launches in all: (1) 2 ranks write every uninterrupted reference and every checkpoint;
+(2) 1 rank resumes the 2-rank checkpoints and writes its own; (3) 2 ranks resume everything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.launcher import run_workers
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+
+NOISE = {"stochastic": True}  # python + numpy noise drawn per rank
+SAME_WORLD = {
+    "fallback": {"backend": "accelerate", **NOISE},
+    "zero0": {"backend": "deepspeed", "zero_stage": 0, **NOISE},
+    "zero1": {"backend": "deepspeed", "zero_stage": 1, **NOISE},
+    "zero2": {"backend": "deepspeed", "zero_stage": 2, **NOISE},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3, **NOISE},
+    "fallback_dropout": {"backend": "accelerate", "dropout": True, **NOISE},
+}
+# Across world sizes the per-rank noise cannot match, so these runs are deterministic and
+# compared with a tolerance (the reduction order differs).
+RESIZE = {
+    "fallback_det": {"backend": "accelerate", "stochastic": False},
+    "zero2_det": {"backend": "deepspeed", "zero_stage": 2, "stochastic": False},
+    "zero3_det": {"backend": "deepspeed", "zero_stage": 3, "stochastic": False},
+}
+
+
+def _scenarios(table: dict, **extra) -> list[dict]:
+    return [{"name": name, **spec, **extra} for name, spec in table.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("resume_ref")
+    one = tmp_path_factory.mktemp("resume_one")
+    two = tmp_path_factory.mktemp("resume_two")
+    scenarios = _scenarios(SAME_WORLD) + _scenarios(RESIZE)
+    reference = run_workers(
+        "resume.py", "--phase", "reference", "--scenarios", json.dumps(scenarios), out_dir=ref, timeout=900
+    )
+    single = run_workers(
+        "resume.py",
+        "--phase",
+        "resume,save",
+        "--scenarios",
+        json.dumps(_scenarios(RESIZE)),
+        "--from-dir",
+        str(ref),
+        "--reference-dir",
+        str(ref),
+        nproc=1,
+        out_dir=one,
+        timeout=900,
+    )
+    control = {"name": "fallback_control", **SAME_WORLD["fallback"], "control": True}
+    resized = [{**s, "from_dir": str(one)} for s in _scenarios(RESIZE)]
+    resumed = [*_scenarios(SAME_WORLD), control, *resized]
+    double = run_workers(
+        "resume.py",
+        "--phase",
+        "resume",
+        "--scenarios",
+        json.dumps(resumed),
+        "--from-dir",
+        str(ref),
+        "--reference-dir",
+        str(ref),
+        out_dir=two,
+        timeout=900,
+    )
+    return {"reference": reference, "single": single, "double": double}
+
+
+def _check_resumed(reference: dict, resumed: dict) -> None:
+    assert reference["trained_distance"] > 0.05  # training really moved the weights
+    assert resumed["client_state"] == {"step": 4, "note": "mid-epoch"}
+    assert resumed["loaded_counters"] == reference["saved_counters"] == [4, 8]
+    # the schedule resumes where it stopped (and the optimizer's lr with it)
+    assert resumed["lr_after_load"] == [reference["lrs"][3]] * 2
+    assert resumed["lrs"] == reference["lrs"][4:]
+
+
+@pytest.mark.parametrize("name", [n for n in SAME_WORLD if n != "fallback_dropout"])
+def test_resume_equals_uninterrupted_run_exactly(runs, name):
+    reference = runs["reference"][0][f"reference:{name}"]
+    resumed = runs["double"][0][f"resume:{name}"]
+    _check_resumed(reference, resumed)
+    assert resumed["bitwise_equal"], resumed["max_abs_diff"]
+    assert resumed["warnings"] == []
+
+
+def test_disturbed_rng_after_loading_changes_the_outcome(runs):
+    """The comparison above can fail: numpy's RNG drawn differently gives other weights."""
+    control = runs["double"][0]["resume:fallback_control"]
+    assert not control["bitwise_equal"] and control["max_abs_diff"] > 1e-4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PreparedDataLoader's inner DataLoader draws its base seed from the global torch RNG on "
+    "every iter(), so a resumed run's torch RNG (dropout) is one draw ahead; fix in dataloader.py",
+)
+def test_resume_with_dropout_equals_uninterrupted_run_exactly(runs):
+    reference = runs["reference"][0]["reference:fallback_dropout"]
+    resumed = runs["double"][0]["resume:fallback_dropout"]
+    _check_resumed(reference, resumed)
+    assert resumed["bitwise_equal"], resumed["max_abs_diff"]
+
+
+@pytest.mark.parametrize("name", list(RESIZE))
+def test_resume_two_ranks_on_one(runs, name):
+    reference = runs["reference"][0][f"reference:{name}"]
+    (resumed,) = (r[f"resume:{name}"] for r in runs["single"])
+    _check_resumed(reference, resumed)
+    assert resumed["max_abs_diff"] < 1e-5  # same samples per step; only the summation order differs
+    if name.startswith("zero"):
+        assert any("through DeepSpeed's universal checkpoint" in w for w in resumed["warnings"])
+
+
+@pytest.mark.parametrize("name", list(RESIZE))
+def test_resume_one_rank_on_two(runs, name):
+    reference = runs["reference"][0][f"reference:{name}"]
+    assert runs["single"][0][f"save:{name}"]["saved_counters"] == [4, 16]  # GA=4 on one rank
+    rank0, rank1 = (r[f"resume:{name}"] for r in runs["double"])
+    assert rank0["loaded_counters"] == [4, 16]
+    assert rank0["client_state"] == {"step": 4, "note": "mid-epoch"}
+    assert rank0["lrs"] == reference["lrs"][4:]
+    assert rank0["max_abs_diff"] < 1e-5
+    assert any("rank 1 of 2 has no saved RNG state" in w for w in rank1["warnings"])
