@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,3 +197,27 @@ class AccelerateBackend(Backend):
     def iter_models(self) -> Any:
         if self.model is not None:
             yield self.model
+
+    # -------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        from ds_engine.checkpoint import save_full_states
+
+        assert self.model is not None
+        save_full_states(
+            directory / tag,
+            model=self.unwrap_model(self.model),
+            optimizer=self.optimizer,
+            scaler=self.accelerator.scaler,
+        )
+
+    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
+        from ds_engine.checkpoint import load_full_states
+
+        assert self.model is not None
+        load_full_states(
+            directory / tag,
+            model=self.unwrap_model(self.model),
+            optimizer=self.optimizer,
+            scaler=self.accelerator.scaler,
+        )
+        return {}

@@ -11,6 +11,7 @@ import abc
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,3 +121,12 @@ class Backend(abc.ABC):
 
     def iter_models(self) -> Iterator[torch.nn.Module]:
         return iter(())
+
+    # -------------------------------------------------------------- checkpoints
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Write model + optimizer states into `directory / tag` (collective)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
+        """Load model + optimizer states from `directory / tag` (collective); returns client_state."""

@@ -11,6 +11,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -316,6 +317,17 @@ class DeepSpeedBackend(Backend):
     def iter_models(self) -> Iterator[torch.nn.Module]:
         if self.ds_engine is not None:
             yield self.ds_engine
+
+    # -------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        from ds_engine.checkpoint import save_deepspeed_states
+
+        save_deepspeed_states(self.ds_engine, directory, tag, client_state)
+
+    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
+        from ds_engine.checkpoint import load_deepspeed_states
+
+        return load_deepspeed_states(self.ds_engine, directory, tag)
 
 
 def _local_grad_norm(module: torch.nn.Module) -> float:
