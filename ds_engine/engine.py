@@ -507,6 +507,66 @@ class Engine:
         )
 
 
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> None:
+        """Save everything needed to resume training exactly. Collective: call it on every rank.
+
+        Writes `directory/<tag>/`: the model and optimizer (DeepSpeed's own partitioned files, or
+        full states on the fallback), the scheduler, the Engine's counters, each prepared
+        dataloader's position (resuming continues at the next batch), per-rank python / numpy /
+        torch RNG states, `client_state`, the HF `config.json` and `ds_engine_meta.json`. The tag
+        is written under a temporary name and renamed into place; `directory/latest` is written
+        last. Call it at a boundary (right after `optimizer.step()`). The ranks must share the
+        filesystem that holds `directory`.
+
+        Args:
+            directory: Checkpoint folder (created if missing); holds tags and `latest`.
+            tag: Sub-folder name; default ``step_<optimizer steps taken, skipped included>``.
+            client_state: Your own small state (step, epoch, ...): tensors, numbers, strings,
+                None, and lists/tuples/dicts of them; returned by `load_checkpoint`.
+            keep_last: Keep only the newest `keep_last` tags in `directory` (None keeps all).
+
+        Raises:
+            RuntimeError: Before `prepare`, or in the middle of an accumulation window.
+            ValueError: For a bad `tag` or `keep_last`, or `directory` being a file.
+            TypeError: When `client_state` holds objects that cannot be loaded without code.
+        """
+        from ds_engine.checkpoint import save_training_checkpoint
+
+        save_training_checkpoint(self, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
+        """Resume from `save_checkpoint`'s folder. Collective; call it after `prepare`.
+
+        `prepare` the same kinds of objects as the saving run (model, optimizer, dataloaders in
+        the same order, scheduler). Restores everything `save_checkpoint` wrote. The number of
+        ranks may differ: the fallback's states are full, and DeepSpeed's partitioned ZeRO states
+        are re-partitioned through a universal checkpoint; ranks without a saved RNG state keep
+        theirs (with a warning).
+
+        Args:
+            directory: The folder given to `save_checkpoint`.
+            tag: The tag to load; default: the one named in `directory/latest`.
+
+        Returns:
+            The `client_state` given to `save_checkpoint` (an empty dict when none was).
+
+        Raises:
+            FileNotFoundError: A missing folder or tag (the message lists the tags found).
+            ValueError: A folder that is not a checkpoint, a truncated file, or a checkpoint
+                from another backend, ZeRO stage or precision (the message says what to do).
+        """
+        from ds_engine.checkpoint import load_training_checkpoint
+
+        return load_training_checkpoint(self, directory, tag=tag)
+
+
 def _resolve_preset(config: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
     if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
         from ds_engine.ds_config import PRESETS, preset_path
