@@ -506,7 +506,6 @@ class Engine:
             exclude_frozen=exclude_frozen,
         )
 
-
     def save_checkpoint(
         self,
         directory: str | os.PathLike[str],
