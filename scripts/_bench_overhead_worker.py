@@ -118,6 +118,7 @@ class Trainer:
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # CPU seconds of this process: blind to other load
         self.micro_step = 0
         self.ddp: torch.nn.Module | None = None
 
@@ -128,13 +129,14 @@ class Trainer:
     def optimizer_step(self) -> None:
         """Run one full accumulation window (GA micro-steps and the optimizer step), timed."""
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         COUNTER.active = self.name
         try:
             self.run_window()
         finally:
             COUNTER.active = None
         self.times.append(time.perf_counter() - start)
+        self.cpu_times.append(time.process_time() - cpu_start)
 
     def run_window(self) -> None:
         raise NotImplementedError
@@ -204,6 +206,7 @@ class RawAccelerate(Trainer):
         super().__init__()
         self.name = "baseline"
         self.ga = args.ga
+        self.clip = args.clip
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.ga)
         model = make_model(args)
         loader = DataLoader(make_dataset(args, dist.get_world_size()), batch_size=args.micro_batch)
@@ -221,6 +224,8 @@ class RawAccelerate(Trainer):
             with self.accelerator.accumulate(self.model):
                 loss = self.model(input_ids=ids, labels=labels).loss
                 self.accelerator.backward(loss)
+                if self.accelerator.sync_gradients and self.clip > 0:
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad()
             self.losses.append(loss.detach())
@@ -311,17 +316,19 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
         ),
     }
     for key, trainer in (("baseline", base), ("ds_engine", ours)):
-        timed = trainer.times[args.warmup :]
-        # the slowest rank decides a step's time
-        all_times: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+        timed = (trainer.times[args.warmup :], trainer.cpu_times[args.warmup :])
+        all_times: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(all_times, timed)
-        per_step = [max(ts) for ts in zip(*all_times)]
+        per_step = [max(ts) for ts in zip(*(t[0] for t in all_times))]  # the slowest rank's wall time
+        cpu_per_step = [sum(ts) for ts in zip(*(t[1] for t in all_times))]  # CPU time of all ranks
         window_losses = torch.stack(trainer.losses).view(total_steps, args.ga).mean(dim=1)
         dist.all_reduce(window_losses)  # not counted: the counter is inactive here
         window_losses /= dist.get_world_size()
         result[key] = {
             "step_times": per_step,
             "median": statistics.median(per_step),
+            "cpu_step_times": cpu_per_step,
+            "cpu_median": statistics.median(cpu_per_step),
             "reduction_calls_per_step": COUNTER.calls.get(trainer.name, 0) / total_steps,
             "reduction_passes_per_step": len(COUNTER.passes.get(trainer.name, ())) / total_steps,
             "losses": window_losses.tolist(),
@@ -329,6 +336,10 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     b, o = result["baseline"]["losses"], result["ds_engine"]["losses"]
     result["max_loss_rel_diff"] = max(abs(x - y) / abs(x) for x, y in zip(b, o))
     result["ratio"] = result["ds_engine"]["median"] / result["baseline"]["median"]
+    # each pair of steps ran back to back: their ratio cancels slow drifts in machine load
+    pairs = zip(result["ds_engine"]["step_times"], result["baseline"]["step_times"])
+    result["paired_ratio"] = statistics.median(o / b for o, b in pairs)
+    result["cpu_ratio"] = result["ds_engine"]["cpu_median"] / result["baseline"]["cpu_median"]
     base.close()
     ours.close()
     del base, ours
@@ -341,7 +352,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ga", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
