@@ -1,6 +1,6 @@
 """Consolidated weights and `save_pretrained` for ZeRO-partitioned (and plain) models.
 
-Three entry points, all free of module-level DeepSpeed imports:
+Entry points, all free of module-level DeepSpeed imports:
 
 * `consolidated_state_dict` -- collective; rank 0 gets the full CPU state dict, other ranks
   None. Under ZeRO-3 it gathers one layer at a time (per submodule), so rank 0 holds about one
@@ -10,6 +10,10 @@ Three entry points, all free of module-level DeepSpeed imports:
   index, `config.json`, tokenizer) written atomically.
 * `consolidate_checkpoint` -- offline (no process group): a DeepSpeed ZeRO checkpoint folder
   to a `from_pretrained` folder, loading lazily so memory stays about one copy.
+
+* `save_training_checkpoint` / `load_training_checkpoint` -- `Engine.save_checkpoint` and
+  `Engine.load_checkpoint`: resumable training state (layout and guarantees in the section
+  "training checkpoints" below), including resuming on another number of ranks.
 
 How the model config travels with a checkpoint: `consolidate_checkpoint` looks for an HF
 `config.json` in the tag folder, then in the checkpoint folder, then in its parent (the
@@ -34,10 +38,16 @@ import torch
 from torch import nn
 
 __all__ = [
+    "capture_rng_state",
     "consolidate_checkpoint",
     "consolidated_state_dict",
+    "convert_to_universal",
+    "load_training_checkpoint",
     "parse_size",
+    "resolve_checkpoint",
+    "restore_rng_state",
     "save_pretrained",
+    "save_training_checkpoint",
 ]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -1289,6 +1299,7 @@ def save_training_checkpoint(
                     for old in _tags(target_root)[:-keep_last]:
                         if old != tag:
                             shutil.rmtree(target_root / old, ignore_errors=True)
+                            shutil.rmtree(target_root / (old + UNIVERSAL_SUFFIX), ignore_errors=True)
             except BaseException as exc:
                 error = exc
         failed = _any_rank_failed(error is not None)
