@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "all_reduce_coalesced")
 SETTINGS = ("zero0", "zero2", "zero2-coalesce", "zero3", "zero3-coalesce", "accelerate")
+#: Raw DeepSpeed ZeRO-0 against itself: the ratio's noise floor on this machine (opt-in).
+NULL_SETTING = "zero0-null"
 
 
 class ReductionCounter:
@@ -72,7 +74,7 @@ class ReductionCounter:
 COUNTER = ReductionCounter()
 
 
-def counting_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+def counting_comm_hook(state, bucket):  # no annotations: DDP rejects the string ones
     """DDP comm hook: the default all-reduce, counted."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -168,8 +170,11 @@ class RawDeepSpeed(Trainer):
             model=model, optimizer=make_optimizer(model), config=copy.deepcopy(ds_config)
         )
         dataset = make_dataset(args, dist.get_world_size())
-        sampler = DistributedSampler(dataset, shuffle=False)
-        self.loader = iter(DataLoader(dataset, batch_size=args.micro_batch, sampler=sampler))
+        self.loader = iter(
+            DataLoader(
+                dataset, batch_size=args.micro_batch, sampler=DistributedSampler(dataset, shuffle=False)
+            )
+        )
         self.device = self.engine.device
 
     def _forward_backward(self) -> None:
@@ -281,11 +286,19 @@ def build_pair(setting: str, args: argparse.Namespace) -> tuple[Trainer, Trainer
     if setting == "accelerate":
         ours: Trainer = DsEngine(args, backend="accelerate", zero_stage=0, coalesce=False)
         base: Trainer = RawAccelerate(args)
+    elif setting == NULL_SETTING:
+        probe = DsEngine(args, backend="deepspeed", zero_stage=0, coalesce=False)
+        ds_config = probe.engine.ds_config
+        assert ds_config is not None
+        probe.close()
+        base = RawDeepSpeed(args, ds_config, coalesce=False)
+        ours = RawDeepSpeed(args, ds_config, coalesce=False)
+        ours.name = "ds_engine"  # the second copy stands where ds_engine would
     else:
         stage = int(setting[len("zero")])
         coalesce = setting.endswith("-coalesce")
         ours = DsEngine(args, backend="deepspeed", zero_stage=stage, coalesce=coalesce)
-        ds_config = ours.engine.ds_config  # type: ignore[attr-defined]
+        ds_config = ours.engine.ds_config
         assert ds_config is not None
         base = RawDeepSpeed(args, ds_config, coalesce=coalesce)
     for trainer in (base, ours):

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_overhead.py                      # default: ~4 min on 2 free cores
     .venv/bin/python scripts/bench_overhead.py --steps 20           # more timed steps, less noise
     .venv/bin/python scripts/bench_overhead.py --settings zero3,accelerate
+    .venv/bin/python scripts/bench_overhead.py --settings zero0-null,zero0   # noise floor first
 
 One invocation launches `scripts/_bench_overhead_worker.py` with torchrun on 2 ranks (gloo,
 `GLOO_SOCKET_IFNAME=lo`, `OMP_NUM_THREADS=1`). For every setting it trains a GPT-2 built
@@ -42,6 +43,7 @@ from tests.distributed.launcher import free_port, run_command, worker_env  # noq
 
 WORKER = ROOT / "scripts" / "_bench_overhead_worker.py"
 SETTINGS = ("zero0", "zero2", "zero2-coalesce", "zero3", "zero3-coalesce", "accelerate")
+NULL_SETTING = "zero0-null"  # raw DeepSpeed against itself: the noise floor (opt-in)
 TARGET = 1.02
 
 
@@ -85,7 +87,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"GPT-2 {info['num_params'] / 1e6:.1f}M params, seq {args['seq']}, micro batch "
         f"{args['micro_batch']}, GA={args['ga']}, {args['precision']}, {info['world_size']} CPU ranks; "
         f"medians of {args['steps']} optimizer steps after {args['warmup']} warm-up, ABBA-interleaved",
-        "baseline: raw DeepSpeed for zero*, plain accelerate for `accelerate`; ratio = ds_engine / baseline",
+        "baseline: raw DeepSpeed for zero*, plain accelerate for `accelerate`; ratio = ds_engine / baseline "
+        f"({NULL_SETTING}: raw DeepSpeed in both columns)",
         "",
         f"{'setting':<15} | {'baseline s/step':>15} | {'ds_engine s/step':>16} | {'ratio':>5} | "
         f"{'paired':>6} | {'CPU ratio':>9} | {'passes/step (base, ours)':>24} | {'loss diff':>9}",
@@ -111,7 +114,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"comma list of {', '.join(SETTINGS)}, or {NULL_SETTING} (raw DeepSpeed vs itself: noise floor)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -120,9 +127,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     args = parser.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
+    unknown = [s for s in settings if s not in (*SETTINGS, NULL_SETTING)]
     if unknown or not settings:
-        parser.error(f"--settings {args.settings!r}: unknown {unknown}; allowed: {', '.join(SETTINGS)}")
+        allowed = ", ".join((*SETTINGS, NULL_SETTING))
+        parser.error(f"--settings {args.settings!r}: unknown {unknown}; allowed: {allowed}")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and warmup >= 0")
     start = time.perf_counter()

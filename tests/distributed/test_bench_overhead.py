@@ -25,7 +25,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--vocab", "128", "--seq", "16", "--m
 
 
 def test_bench_overhead_prints_the_table_and_finishes(tmp_path: Path) -> None:
-    settings = "zero0,zero2-coalesce,zero3,accelerate"
+    settings = "zero0,zero2-coalesce,zero3,accelerate,zero0-null"
     raw = tmp_path / "figures.json"
     cmd = [sys.executable, str(SCRIPT), "--settings", settings, "--steps", "2", "--warmup", "1"]
     proc = subprocess.run(
@@ -60,7 +60,9 @@ def test_bench_overhead_prints_the_table_and_finishes(tmp_path: Path) -> None:
         # same communication pattern on both sides
         assert base_passes == ours_passes, (setting, base_passes, ours_passes)
     # GA=4: ZeRO-0, DDP and coalesced ZeRO-2 reduce once per optimizer step; ZeRO-3 on every micro-step
-    assert rows["zero0"][5] == rows["accelerate"][5] == rows["zero2-coalesce"][5] == 1
+    assert (
+        rows["zero0"][5] == rows["accelerate"][5] == rows["zero2-coalesce"][5] == rows["zero0-null"][5] == 1
+    )
     assert rows["zero3"][5] == 4
 
 
