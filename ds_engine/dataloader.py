@@ -120,6 +120,10 @@ class PreparedDataLoader:
                 "HINT: pass `batch_size=` and a plain `sampler` instead of a `batch_sampler`."
             )
         self.base_dataloader = dataloader
+        # The inner loader draws its worker base seed from this generator, not from the
+        # global torch RNG, so iterating never shifts the user's random stream (dropout):
+        # a resumed run draws exactly what an uninterrupted one does.
+        self._generator = torch.Generator()
         self.device = device
         self._on_batch = on_batch
         self._on_end = on_end
@@ -148,6 +152,7 @@ class PreparedDataLoader:
             worker_init_fn=dataloader.worker_init_fn,
             multiprocessing_context=dataloader.multiprocessing_context,
             persistent_workers=dataloader.persistent_workers if dataloader.num_workers > 0 else False,
+            generator=self._generator,
         )
         self.batch_index = 0
         self.in_progress = False
@@ -185,15 +190,18 @@ class PreparedDataLoader:
         self.batch_sampler.skip_batches = num_batches
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_index": self.batch_index if self.in_progress else 0}
+        """Where to resume: the batch after the one being processed (0 between epochs)."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index + 1 if self.in_progress else 0}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.set_epoch(int(state["epoch"]))
+        """Resume at `state`; the epoch then advances by itself as before."""
+        self.batch_sampler.epoch = int(state["epoch"])
         self.skip_first_batches(int(state["batch_index"]))
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         start = self.batch_sampler.skip_batches
+        self._generator.manual_seed(self.batch_sampler.seed + self.batch_sampler.epoch)
         self.in_progress = True
         try:
             for offset, batch in enumerate(self._loader):

@@ -172,6 +172,11 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     @property
+    def optimizer(self) -> PreparedOptimizer | None:
+        """The prepared optimizer: the user's, or DeepSpeed's native one from the config."""
+        return self._optimizer
+
+    @property
     def lr_scheduler(self) -> OverflowAwareScheduler | None:
         """The prepared scheduler: the user's, or DeepSpeed's native one from the config."""
         return self._scheduler

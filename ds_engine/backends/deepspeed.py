@@ -102,8 +102,13 @@ class DeepSpeedBackend(Backend):
         self.setup_distributed()
         # zero.Init needs a config whose batch triangle DeepSpeed accepts; the real micro
         # batch is not known yet, so build one with a placeholder that `prepare` replaces.
+        known = self.effective.micro_batch_size != "auto" or "train_batch_size" in (self.base or {})
         init_config = build_ds_config(
-            self.config, world_size=dist.get_world_size(), base=self.base, micro_batch_size=1, hidden_size=1
+            self._config_for(None),
+            world_size=dist.get_world_size(),
+            base=self.base,
+            micro_batch_size=None if known else 1,
+            hidden_size=1,  # placeholder for "auto" bucket sizes: zero.Init does not use them
         )
         self._init_config = init_config
         hf_ds_config = None
@@ -165,7 +170,7 @@ class DeepSpeedBackend(Backend):
         self._ds_config = ds_config
         return engine, ds_optimizer, ds_scheduler
 
-    def _config_for(self, model: torch.nn.Module) -> EngineConfig:
+    def _config_for(self, model: torch.nn.Module | None) -> EngineConfig:
         """The user's choices, with DeepSpeed's bucket defaults where "auto" has no hidden size.
 
         A plain `nn.Module` has no `config.hidden_size`; bucket sizes the user left at their

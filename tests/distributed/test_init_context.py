@@ -61,10 +61,5 @@ def test_plain_from_pretrained_after_the_context(results, kind):
         assert reload["num_partitioned"] == 0 and reload["local_numel"] == reload["full_numel"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DeepSpeedBackend._zero3_init_context passes the placeholder micro_batch_size=1 to "
-    "build_ds_config even when the user chose micro_batch_size, which ConfigError calls a conflict",
-)
 def test_init_context_with_an_explicit_micro_batch_size(results):
     assert results[0]["explicit_micro_batch"] == ""

@@ -104,11 +104,6 @@ def test_disturbed_rng_after_loading_changes_the_outcome(runs):
     assert not control["bitwise_equal"] and control["max_abs_diff"] > 1e-4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PreparedDataLoader's inner DataLoader draws its base seed from the global torch RNG on "
-    "every iter(), so a resumed run's torch RNG (dropout) is one draw ahead; fix in dataloader.py",
-)
 def test_resume_with_dropout_equals_uninterrupted_run_exactly(runs):
     reference = runs["reference"][0]["reference:fallback_dropout"]
     resumed = runs["double"][0]["resume:fallback_dropout"]

@@ -115,3 +115,27 @@ def test_move_to_device_keeps_structure():
     batch = {"a": torch.ones(1), "b": [torch.zeros(1), 3], "c": (torch.ones(2),)}
     moved = move_to_device(batch, torch.device("cpu"))
     assert set(moved) == {"a", "b", "c"} and moved["b"][1] == 3 and isinstance(moved["c"], tuple)
+
+
+def test_iterating_does_not_touch_the_global_torch_rng():
+    loader = _loader(shuffle=True)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    for _ in loader:
+        pass
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_state_dict_mid_epoch_points_at_the_next_batch_and_resume_keeps_advancing_epochs():
+    loader = _loader(shuffle=True)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "batch_index": 1}
+    rest_of_epoch0 = [b[0].squeeze(1).tolist() for b in it]
+    epoch1 = [b[0].squeeze(1).tolist() for b in loader]
+    resumed = _loader(shuffle=True)
+    resumed.load_state_dict(state)
+    assert [b[0].squeeze(1).tolist() for b in resumed] == rest_of_epoch0
+    assert [b[0].squeeze(1).tolist() for b in resumed] == epoch1
