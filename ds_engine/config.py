@@ -133,6 +133,8 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "coalesce_grad_reduction": _bool_check,
     "skip_nonfinite_steps": _bool_check,
     "steps_per_print": _int_check(0),
+    "max_consecutive_skipped_steps": _int_check(0),
+    "dist_timeout_s": _int_check(1),
 }
 
 _FLOAT_FIELDS = frozenset({"gradient_clipping", "loss_scale", "min_loss_scale"})
@@ -240,6 +242,11 @@ class EngineConfig:
     """Engine only (fallback backend): skip an optimizer step whose gradients are non-finite."""
     steps_per_print: int = 0
     """DeepSpeed's own progress print every N steps; 0 turns it off."""
+    max_consecutive_skipped_steps: int = 100
+    """Engine only: raise after this many optimizer steps in a row were skipped (non-finite
+    gradients / overflow), instead of training on silently; 0 never raises."""
+    dist_timeout_s: int = 1800
+    """Engine only: process-group timeout in seconds (a dead rank ends the job after this)."""
 
     _explicit: frozenset[str] | None = field(default=None, repr=False, compare=False)
     """Internal: fields passed explicitly (see `explicit_fields`); never pass it yourself."""

@@ -144,6 +144,7 @@ class Engine:
         self._window_start = True
         self._stepped = False
         self._free_micro_steps = 0
+        self._consecutive_skips = 0
         self._in_accumulate = False
         self._loaders_in_progress: list[PreparedDataLoader] = []
         self._model: torch.nn.Module | None = None
@@ -398,10 +399,20 @@ class Engine:
         self.step_was_skipped = not outcome.applied
         if outcome.applied:
             self.num_optimizer_steps += 1
+            self._consecutive_skips = 0
         else:
             self.num_skipped_steps += 1
+            self._consecutive_skips += 1
         self.grad_norm = outcome.grad_norm
         self.loss_scale = outcome.loss_scale
+        limit = self.config.max_consecutive_skipped_steps
+        if limit and self._consecutive_skips >= limit:
+            raise FloatingPointError(
+                f"{self._consecutive_skips} optimizer steps in a row were skipped (non-finite gradients"
+                f"{'; loss scale ' + str(self.loss_scale) if self.loss_scale is not None else ''}): training "
+                "is not progressing. HINT: lower the learning rate, check the data for inf/nan, use bf16 "
+                "instead of fp16, or raise `max_consecutive_skipped_steps` (0 never raises)."
+            )
 
     def _zero_grad(self) -> None:
         if self._boundary:

@@ -52,7 +52,7 @@ class AccelerateBackend(Backend):
         from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
         eff = self.effective
-        handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(minutes=30))]
+        handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(seconds=eff.dist_timeout_s))]
         if eff.precision == "fp16" and eff.loss_scale == 0:
             handlers.append(
                 GradScalerKwargs(

@@ -71,9 +71,7 @@ class DeepSpeedBackend(Backend):
         _ensure_launch_env()
         deepspeed.init_distributed(
             dist_backend=get_accelerator().communication_backend_name(),
-            timeout=timedelta(seconds=self.effective.timeout_s)
-            if hasattr(self.effective, "timeout_s")
-            else timedelta(minutes=30),
+            timeout=timedelta(seconds=self.effective.dist_timeout_s),
             verbose=False,
         )
 

@@ -152,3 +152,28 @@ def test_without_deepspeed_auto_warns_once_and_explicit_request_says_how_to_inst
     relevant = [w for w in caught if "DeepSpeed is not installed" in str(w.message)]
     assert len(relevant) == 1 and "ds-engine[deepspeed]" in str(relevant[0].message)
     assert engine.backend_name == "accelerate"
+
+
+def test_non_finite_steps_are_skipped_counted_and_raise_after_the_configured_run():
+    engine = Engine(backend="accelerate", max_consecutive_skipped_steps=3)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        engine.backward(model(torch.ones(1, 4)).sum() * float("inf"))
+        optimizer.step()
+        optimizer.zero_grad()
+        assert engine.step_was_skipped
+    assert engine.num_skipped_steps == 2 and engine.num_optimizer_steps == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    engine.backward(model(torch.ones(1, 4)).sum())  # a finite step resets the run
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not engine.step_was_skipped and engine.num_optimizer_steps == 1
+    for _ in range(2):
+        engine.backward(model(torch.ones(1, 4)).sum() * float("nan"))
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.backward(model(torch.ones(1, 4)).sum() * float("nan"))
+    with pytest.raises(FloatingPointError, match="max_consecutive_skipped_steps"):
+        optimizer.step()
