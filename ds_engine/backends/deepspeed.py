@@ -117,7 +117,10 @@ class DeepSpeedBackend(Backend):
         except ImportError:  # pragma: no cover - transformers is a dependency
             pass
         try:
-            with deepspeed.zero.Init(config_dict_or_path=init_config):
+            with contextlib.ExitStack() as stack:
+                if hf_ds_config is not None:
+                    stack.enter_context(_hf_zero3_creation())
+                stack.enter_context(deepspeed.zero.Init(config_dict_or_path=init_config))
                 yield
         finally:
             if hf_ds_config is not None:
@@ -338,6 +341,101 @@ def _local_grad_norm(module: torch.nn.Module) -> float:
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+
+@contextlib.contextmanager
+def _hf_zero3_creation() -> Iterator[None]:
+    """Make Hugging Face models built under our `zero.Init` start from ZeRO-0's exact weights.
+
+    Inside our `zero.Init` every module is partitioned at the end of its own `__init__`, so the
+    torch constructors (`reset_parameters`) still draw on full tensors, exactly as without ZeRO.
+    What goes wrong is the model's `post_init` -> `init_weights`: it runs `_init_weights` on
+    empty shards (embeddings keep N(0, 1), GPT-2 loses its scaled `c_proj` init) and draws a
+    different random sequence. `from_config` takes transformers' own ZeRO-3 path instead, which
+    skips the constructor draws (`no_init_weights`) and so starts from another RNG state. While
+    the context lasts:
+
+    - `PreTrainedModel.init_weights` on a partitioned model gathers each module's parameters
+      (its own and its direct children's, one module at a time, as transformers'
+      `initialize_weights_zero3` does) around the per-module `_initialize_weights`, so the
+      init runs on full tensors, in ZeRO-0's order, on every rank (same RNG use everywhere;
+      rank 0's values are kept);
+    - `from_config` builds like direct construction (under our `zero.Init`, with
+      transformers' nested one switched off through its own `set_zero3_state` flag).
+
+    `from_pretrained` is untouched: its weights come from the checkpoint, and transformers
+    initialises missing keys on gathered parameters itself. Older transformers releases
+    without these hooks are left as they are.
+    """
+    try:
+        from transformers import modeling_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    pretrained: Any = modeling_utils.PreTrainedModel  # patched below, hence Any
+    original_init_weights = pretrained.__dict__.get("init_weights")
+    original_initialize = pretrained.__dict__.get("_initialize_weights")
+    original_from_config = pretrained.__dict__.get("_from_config")
+    set_zero3_state: Any = getattr(modeling_utils, "set_zero3_state", None)  # absent in older releases
+    if original_init_weights is None or original_initialize is None:  # pragma: no cover
+        yield
+        return
+
+    def initialize_gathered(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        params = _partitioned_init_params(module, pretrained)
+        if not params or getattr(module, "_is_hf_initialized", False):
+            return original_initialize(self, module, *args, **kwargs)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            return original_initialize(self, module, *args, **kwargs)
+
+    def init_weights(self: Any) -> Any:
+        nested = pretrained.__dict__.get("_initialize_weights") is initialize_gathered
+        if nested or not any(_is_partitioned(p) for p in self.parameters()):
+            return original_init_weights(self)
+        pretrained._initialize_weights = initialize_gathered
+        try:
+            return original_init_weights(self)
+        finally:
+            pretrained._initialize_weights = original_initialize
+
+    pretrained.init_weights = init_weights
+    patched_from_config = False
+    if isinstance(original_from_config, classmethod) and set_zero3_state is not None:
+        build, no_nested_init = original_from_config.__func__, set_zero3_state
+
+        def from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+            with no_nested_init():
+                return build(cls, config, **kwargs)
+
+        pretrained._from_config = classmethod(from_config)
+        patched_from_config = True
+    try:
+        yield
+    finally:
+        pretrained.init_weights = original_init_weights
+        if patched_from_config:
+            pretrained._from_config = original_from_config
+
+
+def _is_partitioned(param: torch.nn.Parameter) -> bool:
+    """A ZeRO-3 parameter whose full data is not on this rank right now."""
+    if not hasattr(param, "ds_id"):
+        return False
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return bool(getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE)
+
+
+def _partitioned_init_params(module: torch.nn.Module, pretrained: type) -> list[torch.nn.Parameter]:
+    """Partitioned parameters `_init_weights(module)` may touch: its own and its direct
+    children's (e.g. GPT-2's `attn.c_proj.weight`), leaving sub-models to their own init."""
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, pretrained):
+            params.extend(child.parameters(recurse=False))
+    return [p for p in params if _is_partitioned(p)]
 
 
 def _forget_hf_deepspeed_config(hf_ds_config: Any) -> None:

