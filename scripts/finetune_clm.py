@@ -112,7 +112,9 @@ def engine_choices(args: argparse.Namespace) -> dict[str, Any]:
             "offload_optimizer": "none",
             "gradient_clipping": 1.0,
         }
-        given = {k: defaults[k] if v is None else v for k, v in given.items()}
+        if args.backend == "accelerate":
+            del defaults["zero_stage"]  # plain DDP: no ZeRO stage to ask for
+        given = {k: defaults.get(k) if v is None else v for k, v in given.items()}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -16,9 +16,9 @@ from _common import parse_args, rank, write_result
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = {"cls": "finetune_classification", "clm": "finetune_clm"}
-COMMON = ["--max-steps", "6", "--batch-size", "8", "--eval-batch-size", "16", "--max-length", "32",
-          "--num-examples", "250", "--log-every", "1", "--seed", "0"]  # fmt: skip
-EXTRA = {"cls": ["--lr", "1e-4", "--warmup-ratio", "0"], "clm": ["--lr", "3e-3", "--warmup-ratio", "0"]}
+COMMON = ["--max-steps", "12", "--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24",
+          "--max-length", "32", "--num-examples", "405", "--log-every", "1", "--seed", "0"]  # fmt: skip
+EXTRA = {"cls": ["--lr", "3e-4", "--warmup-ratio", "0"], "clm": ["--lr", "3e-3", "--warmup-ratio", "0"]}
 
 
 def load(name: str) -> ModuleType:
