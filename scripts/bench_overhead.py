@@ -1,6 +1,6 @@
 """Overhead of ds_engine over raw DeepSpeed and plain accelerate, on 2 CPU ranks.
 
-    .venv/bin/python scripts/bench_overhead.py                      # ~4 min of CPU per rank; ~12 min at load 8
+    .venv/bin/python scripts/bench_overhead.py                  # ~4 min CPU per rank; ~12 min at load 8
     .venv/bin/python scripts/bench_overhead.py --steps 20           # more timed steps, less noise
     .venv/bin/python scripts/bench_overhead.py --settings zero3,accelerate
     .venv/bin/python scripts/bench_overhead.py --settings zero0-null,zero0   # noise floor first
