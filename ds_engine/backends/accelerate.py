@@ -134,6 +134,9 @@ class AccelerateBackend(Backend):
         return self.accelerator.no_sync(model)  # DDP: no all-reduce on this micro-step
 
     def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
+        # accelerate keeps accumulation state process-wide (GradientState); another Accelerator
+        # in the process may have changed it. The Engine owns accumulation: no extra division.
+        self.accelerator.gradient_accumulation_steps = 1
         self.accelerator.backward(loss * scale if scale != 1.0 else loss)
 
     def _unscale_once(self) -> None:
@@ -168,6 +171,7 @@ class AccelerateBackend(Backend):
             # No loss scaler here (CPU, bf16, fp32): skip ourselves, as DeepSpeed would.
             applied = False
         else:
+            self.accelerator.gradient_state._set_sync_gradients(True)  # this is our boundary
             self.optimizer.step()
             applied = not bool(getattr(self.optimizer, "step_was_skipped", False))
         self._unscaled = False
