@@ -120,6 +120,13 @@ class DeepSpeedBackend(Backend):
             with contextlib.ExitStack() as stack:
                 if hf_ds_config is not None:
                     stack.enter_context(_hf_zero3_creation())
+                    # what transformers wraps its own zero.Init in: under bf16/fp16 zero.Init
+                    # would also cast `torch.arange`, so RoPE `inv_freq` buffers lose precision
+                    from transformers.integrations import deepspeed as hf_deepspeed
+
+                    keep_arange = getattr(hf_deepspeed, "prevent_arange_dtype_change", None)
+                    if keep_arange is not None:  # absent in older releases; must precede zero.Init
+                        stack.enter_context(keep_arange())
                 stack.enter_context(deepspeed.zero.Init(config_dict_or_path=init_config))
                 yield
         finally:

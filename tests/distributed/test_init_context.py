@@ -1,8 +1,8 @@
 """`engine.init_context()` under ZeRO-3 on 2 real CPU ranks: parameters are partitioned at
-creation (from_pretrained, direct construction, from_config, a plain nn.Module) and gathered one
-module at a time while they are initialised; the weights, the RNG state after creation and the
-first loss equal ZeRO-0's for the same seed; after the context a plain `from_pretrained` is plain
-again."""
+creation (from_pretrained, direct construction, from_config, bf16, a plain nn.Module) and gathered
+one module at a time while they are initialised; the weights and buffers (dtype and values), the
+RNG state after creation and the first loss equal ZeRO-0's for the same seed; after the context a
+plain `from_pretrained` is plain again."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.distributed.launcher import run_workers
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
-KINDS = ["minilm", "gpt2_direct", "gpt2_from_config", "plain"]
-HF_BUILT = ["gpt2_direct", "gpt2_from_config"]  # weights from the model's own init
+KINDS = ["minilm", "gpt2_direct", "gpt2_from_config", "llama_bf16", "plain"]
+HF_BUILT = ["gpt2_direct", "gpt2_from_config", "llama_bf16"]  # weights from the model's own init
 
 
 @pytest.fixture(scope="module")

