@@ -16,8 +16,8 @@ echo "== lint: ruff + mypy"
 .venv/bin/ruff format --check ds_engine tests scripts || status=1
 .venv/bin/mypy || status=1
 echo "== suite 1/2: DeepSpeed installed (every test not marked 'nodeepspeed')"
-.venv/bin/python -m pytest -m "not nodeepspeed" "$@" || status=1
+.venv/bin/python -m pytest -m "not nodeepspeed" --durations=15 "$@" || status=1
 echo "== suite 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
-.venv-nods/bin/python -m pytest -m "not deepspeed" "$@" || status=1
+.venv-nods/bin/python -m pytest -m "not deepspeed" --durations=15 "$@" || status=1
 if [ "$status" = 0 ]; then echo "== all passed"; else echo "== FAILED"; fi
 exit $status
