@@ -54,6 +54,11 @@ class DeepSpeedBackend(Backend):
     def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
         require_deepspeed()
         super().__init__(config, base)
+        # DeepSpeed calls torch.distributed APIs torch has deprecated, once per collective; the
+        # warning is not the user's to act on and would flood every training log.
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
         self.ds_engine: Any = None
         self._ds_config: dict[str, Any] | None = None
         self._coalesce: contextlib.ExitStack | None = None
@@ -95,7 +100,8 @@ class DeepSpeedBackend(Backend):
     @contextlib.contextmanager
     def _zero3_init_context(self) -> Iterator[None]:
         import deepspeed
-        import torch.distributed as dist
+        import torch._dynamo  # noqa: F401  transformers imports it lazily; inside zero.Init
+        import torch.distributed as dist  # (torch.Tensor.__new__ patched) that import fails
 
         self.setup_distributed()
         # zero.Init needs a config whose batch triangle DeepSpeed accepts; the real micro
