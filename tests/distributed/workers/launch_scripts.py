@@ -2,21 +2,28 @@
 
 `--scenarios cls:2,clm:3,cls:accelerate` runs each script in turn on this rank (ZeRO stage or
 the accelerate fallback) and writes every scenario's summary, so one launch (one start-up cost)
-covers several configurations. The scripts are imported from `scripts/` as they ship.
+covers several configurations. The scripts are imported from `scripts/` as they ship (with
+`scripts/` on `sys.path`, as when they run as files, so `import _recipe` works).
+
+`--resume-from-step N` (with `--checkpoint-every`) then runs each scenario a second time from its
+own checkpoint of step N into `<scenario>_resumed/`, recorded as `<scenario>+resumed`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from _common import parse_args, rank, write_result
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts"))
 SCRIPTS = {"cls": "finetune_classification", "clm": "finetune_clm"}
-COMMON = ["--max-steps", "12", "--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24",
+COMMON = ["--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24",
           "--max-length", "32", "--num-examples", "405", "--log-every", "1", "--seed", "0"]  # fmt: skip
 EXTRA = {"cls": ["--lr", "3e-4", "--warmup-ratio", "0"], "clm": ["--lr", "3e-3", "--warmup-ratio", "0"]}
 
@@ -29,17 +36,34 @@ def load(name: str) -> ModuleType:
     return module
 
 
-args = parse_args([("--scenarios", {"required": True})])
-results = {}
-for scenario in args.scenarios.split(","):
-    script, setting = scenario.split(":")
-    engine_args = ["--backend", "accelerate"] if setting == "accelerate" else ["--zero-stage", setting]
-    out = Path(args.out) / scenario.replace(":", "_")
-    summary = load(SCRIPTS[script]).main([*COMMON, *EXTRA[script], *engine_args, "--output-dir", str(out)])
+def run(script: str, argv: list[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = load(SCRIPTS[script]).main(argv)
     if rank() == 0:
         summary["metrics"] = [
             json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()
         ]
         summary["model_files"] = sorted(p.name for p in Path(summary["model_dir"]).iterdir())
-    results[scenario] = summary
+    return summary
+
+
+args = parse_args(
+    [
+        ("--scenarios", {"required": True}),
+        ("--max-steps", {"type": int, "default": 12}),
+        ("--checkpoint-every", {"type": int, "default": 0}),
+        ("--resume-from-step", {"type": int, "default": 0}),
+    ]
+)
+results = {}
+for scenario in args.scenarios.split(","):
+    script, setting = scenario.split(":")
+    engine_args = ["--backend", "accelerate"] if setting == "accelerate" else ["--zero-stage", setting]
+    argv = [*COMMON, *EXTRA[script], *engine_args, "--max-steps", str(args.max_steps)]
+    out = Path(args.out) / scenario.replace(":", "_")
+    results[scenario] = run(script, [*argv, "--checkpoint-every", str(args.checkpoint_every),
+                                     "--output-dir", str(out)])  # fmt: skip
+    if args.resume_from_step:
+        checkpoint = out / "checkpoints" / f"step_{args.resume_from_step}"
+        resumed = run(script, [*argv, "--resume-from", str(checkpoint), "--output-dir", f"{out}_resumed"])
+        results[f"{scenario}+resumed"] = resumed
 write_result(args.out, results)
