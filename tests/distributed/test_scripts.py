@@ -1,7 +1,8 @@
 """The fine-tuning scripts run unchanged on 2 ranks with DeepSpeed ZeRO-2/3 and on the fallback.
 
 Each scenario trains a handful of steps (the worker `launch_scripts.py` calls the scripts'
-`main()`), saves with `engine.save_pretrained`, and reloads with plain `from_pretrained`.
+`main()`), saves with `engine.save_pretrained`, and reloads with plain `from_pretrained`. A
+run resumed from the scripts' own checkpoint ends exactly where the uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.distributed.launcher import WORKERS, run_command, run_workers, worker_env
 
@@ -95,3 +98,44 @@ def test_scripts_on_the_accelerate_fallback_through_ds_engine_launch(tmp_path: P
     assert results["clm:accelerate"]["backend"] == "accelerate"
     _check_classification("cls:accelerate", results["cls:accelerate"])
     _check_clm("clm:accelerate", results["clm:accelerate"])
+
+
+def _train_lines(summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {m["step"]: m for m in summary["metrics"] if "loss" in m and "eval_loss" not in m}
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_classification_resumed_from_its_zero2_checkpoint_ends_exactly_as_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    # Run 1: 6 steps, checkpoints at steps 3 and 6. Run 2 (same launch): --resume-from the step-3
+    # checkpoint, --max-steps 6, into another output folder.
+    args = ["--scenarios", "cls:2", "--max-steps", "6", "--checkpoint-every", "3", "--resume-from-step", "3"]
+    results = _ranks(run_workers("launch_scripts.py", *args, timeout=900, out_dir=tmp_path))
+    full, resumed = results["cls:2"], results["cls:2+resumed"]
+    for summary in (full, resumed):
+        assert (summary["backend"], summary["zero_stage"]) == ("deepspeed", 2)
+    checkpoints = sorted(p.name for p in (tmp_path / "cls_2" / "checkpoints").iterdir())
+    assert checkpoints == ["latest", "step_3", "step_6"]
+    assert full["optimizer_steps"] == resumed["optimizer_steps"] == 6
+    full_lines, resumed_lines = _train_lines(full), _train_lines(resumed)
+    assert sorted(full_lines) == [1, 2, 3, 4, 5, 6]
+    assert sorted(resumed_lines) == [4, 5, 6]  # it went on after step 3 rather than starting over
+    # the resumed run started from the step-3 weights, not the pretrained ones
+    assert resumed["metrics"][0]["step"] == 3
+    assert resumed["untrained_loss"] != full["untrained_loss"]
+    # the same batches, dropout draws, schedule and optimizer state: equal to the last bit (fp32)
+    for step in (4, 5, 6):
+        for key in ("loss", "lr", "grad_norm"):
+            assert resumed_lines[step][key] == full_lines[step][key], (step, key)
+    assert resumed_lines[6]["lr"] == 0.0  # the linear schedule ends at the restored total (6 steps)
+    assert resumed["train_losses"] == full["train_losses"][3:]
+    assert (resumed["loss"], resumed["accuracy"]) == (full["loss"], full["accuracy"])
+    full_weights = load_file(Path(full["model_dir"]) / "model.safetensors")
+    resumed_weights = load_file(Path(resumed["model_dir"]) / "model.safetensors")
+    assert sorted(resumed_weights) == sorted(full_weights) and len(full_weights) > 100
+    for name, tensor in full_weights.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(resumed_weights[name], tensor), name
