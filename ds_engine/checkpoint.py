@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_engine.safety import check_checkpoint_folder, check_pickle_file
+
 __all__ = [
     "capture_rng_state",
     "consolidate_checkpoint",
@@ -795,7 +797,8 @@ def _load_zero0_module(tag_dir: Path) -> dict[str, torch.Tensor]:
     path = sorted(tag_dir.glob("*model_states.pt"))[0]
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # DeepSpeed pickles its own objects too
+    except Exception:  # DeepSpeed pickles its own objects too: vet the opcodes before unpickling
+        check_pickle_file(path)
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     module = state.get("module") if isinstance(state, dict) else None
     if not isinstance(module, dict):
@@ -858,6 +861,7 @@ def consolidate_checkpoint(
     if list(tag_dir.glob("*optim_states.pt")) and _zero_stage(tag_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        check_checkpoint_folder(tag_dir)  # zero_to_fp32 unpickles with weights_only=False
         lazy: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
             str(checkpoint), tag=tag, lazy_mode=True
         )
@@ -909,6 +913,7 @@ def consolidate_checkpoint(
 def _zero_stage(tag_dir: Path) -> int:
     """The ZeRO stage recorded in the first optimizer-states file (0 when unreadable)."""
     path = sorted(tag_dir.glob("*optim_states.pt"))[0]
+    check_pickle_file(path)  # DeepSpeed's files need weights_only=False: vet them first
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception:
@@ -1503,6 +1508,8 @@ def save_deepspeed_states(
 
 def load_deepspeed_states(ds_engine: Any, root: Path, tag: str) -> dict[str, Any]:
     """Load `root/tag` with DeepSpeed (model, optimizer and partitions, its scheduler)."""
+    # DeepSpeed unpickles its files with weights_only=False: refuse any that could run code
+    check_checkpoint_folder(root / tag, recursive=True)
     load_path, client_state = ds_engine.load_checkpoint(
         str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
@@ -1559,6 +1566,7 @@ def convert_to_universal(tag_dir: Path) -> Path:
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+    check_checkpoint_folder(tag_dir)  # ds_to_universal unpickles with weights_only=False
     if target.is_dir():
         return target
     tmp = _tmp_sibling(target, "tmp")

@@ -110,11 +110,16 @@ class Engine:
         backend_cls = _select_backend(backend)
         # Everything we can check without a process group, checked now (conflicts with the
         # JSON, impossible stage/offload combinations, leftover keys).
-        from ds_engine.ds_config import build_ds_config
+        from ds_engine.ds_config import build_ds_config, validate_ds_config
 
-        build_ds_config(
-            user_config, world_size=int(os.environ.get("WORLD_SIZE", "1")), base=base, resolve=False
-        )
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        build_ds_config(user_config, world_size=world_size, base=base, resolve=False)
+        if base is not None:  # unknown keys, wrong types, batch triangle vs. the real world size
+            problems = [
+                p for p in validate_ds_config(base, world_size=world_size) if '"auto" is left over' not in p
+            ]
+            if problems:
+                raise ConfigError("the DeepSpeed config has problems:\n  - " + "\n  - ".join(problems))
         self._backend = backend_cls(user_config, base)
         self.config: EngineConfig = self._backend.effective
         """The effective high-level choices (after merging the JSON)."""
@@ -381,7 +386,10 @@ class Engine:
                 "engine.prepare(model, optimizer, ...) first."
             )
         if kwargs:
-            raise TypeError(f"`engine.backward` got unexpected arguments {sorted(kwargs)}")
+            raise TypeError(
+                f"`engine.backward` got unexpected arguments {sorted(kwargs)}. HINT: call "
+                "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
+            )
         if not self._in_accumulate:
             self._begin_micro_step()
             if self._model is not None:
@@ -471,7 +479,7 @@ class Engine:
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         """All-reduce a tensor across ranks ("sum" or "mean"); returns a new tensor."""
         if reduction not in ("sum", "mean"):
-            raise ValueError(f"`reduction={reduction!r}`; allowed: 'sum', 'mean'.")
+            raise ValueError(f"`reduction={reduction!r}`; allowed: 'sum', 'mean'. HINT: reduction='mean'.")
         result = tensor.detach().clone()
         if self._dist() and dist.get_world_size() > 1:
             dist.all_reduce(result, op=dist.ReduceOp.SUM)
