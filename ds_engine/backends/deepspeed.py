@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -298,6 +299,11 @@ class DeepSpeedBackend(Backend):
         own_norm = None
         if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
             own_norm = _local_grad_norm(engine.module)  # gradients are all-reduced: the global norm
+            if self.effective.skip_nonfinite_steps and not math.isfinite(own_norm):
+                # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip the step ourselves
+                # (every rank sees the same all-reduced gradients, so all ranks agree).
+                engine.zero_grad()
+                return StepOutcome(applied=False, grad_norm=own_norm, loss_scale=None)
         engine.step()
         applied = bool(engine.was_step_applied())
         norm = engine.get_global_grad_norm()
