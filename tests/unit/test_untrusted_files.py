@@ -7,8 +7,8 @@ marker never appears and that the call is refused with an error saying why.
 
 Where ds_engine hands a file to DeepSpeed, DeepSpeed unpickles it with
 `torch.load(weights_only=False)` (`deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py`
-and `deepspeed/utils/zero_to_fp32.py`); those cases are strict xfails until ds_engine checks the
-file before DeepSpeed opens it.
+and `deepspeed/utils/zero_to_fp32.py`), so ds_engine must refuse such a file before DeepSpeed
+opens it: the DeepSpeed load and the offline consolidate cases show that it does.
 """
 
 from __future__ import annotations
@@ -118,11 +118,6 @@ def test_a_benign_zero0_checkpoint_consolidates(tmp_path: Path) -> None:
     assert (out / "model.safetensors").is_file()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="consolidate_checkpoint executes it: checkpoint.py `_load_zero0_module` retries with "
-    "torch.load(weights_only=False) when weights_only=True refuses the file",
-)
 def test_consolidate_refuses_a_malicious_model_states_file(tmp_path: Path) -> None:
     root = _zero0_checkpoint(tmp_path)
     marker = tmp_path / "marker"
@@ -132,11 +127,6 @@ def test_consolidate_refuses_a_malicious_model_states_file(tmp_path: Path) -> No
     assert not marker.exists(), "consolidate ran code from the checkpoint"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="consolidate_checkpoint executes it: checkpoint.py `_zero_stage` reads the optimizer "
-    "file with torch.load(weights_only=False) (then DeepSpeed's zero_to_fp32 does the same)",
-)
 def test_consolidate_refuses_a_malicious_optimizer_states_file(tmp_path: Path) -> None:
     root = _zero0_checkpoint(tmp_path)
     marker = tmp_path / "marker"
@@ -252,11 +242,6 @@ def _deepspeed_load(tmp_path: Path, stage: int, name: str) -> dict[str, Any]:
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="Engine.load_checkpoint hands DeepSpeed's files to DeepSpeed, which unpickles them with "
-    "torch.load(weights_only=False); resolve_checkpoint only checks that the zip is whole",
-)
 @pytest.mark.parametrize(
     ("stage", "name"), [(0, "model_states.pt"), (2, "optim_states.pt")], ids=["zero0", "zero2"]
 )
