@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from ds_engine import Engine
 from ds_engine.data import load_sentiment_files, write_sentiment_data
@@ -121,6 +123,23 @@ def load_data(args: argparse.Namespace, out_dir: Path) -> Any:
     return load_sentiment_files(files["train"], files["validation"])
 
 
+def make_dataloaders(data: Any, args: argparse.Namespace, collate: Any) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled by its own seeded generator) and the validation loader."""
+    generator = torch.Generator().manual_seed(args.seed)
+    train_dl = DataLoader(
+        data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
+    )
+    eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
+    return train_dl, eval_dl
+
+
+def num_optimizer_steps(engine: Engine, num_train: int, args: argparse.Namespace) -> int:
+    """Optimizer steps of the whole run: accumulation windows per epoch x epochs, capped by --max-steps."""
+    batches_per_epoch = math.ceil(num_train / (args.batch_size * engine.num_processes))
+    total = math.ceil(batches_per_epoch / engine.config.gradient_accumulation_steps) * args.epochs
+    return min(total, args.max_steps) if args.max_steps > 0 else total
+
+
 # ---------------------------------------------------------------------------------- metrics
 class MetricsLog:
     """JSONL metrics (and optionally TensorBoard) written by the main process only."""
@@ -177,6 +196,33 @@ class MetricsLog:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def run_facts(
+    engine: Engine, *, step: int, train_losses: list[float], train_seconds: float
+) -> dict[str, Any]:
+    """The summary's opening keys: how the run was set up and how training went."""
+    return {
+        "backend": engine.backend_name,
+        "num_processes": engine.num_processes,
+        "zero_stage": engine.config.zero_stage,
+        "precision": engine.config.precision,
+        "optimizer_steps": step,
+        "skipped_steps": engine.num_skipped_steps,
+        "train_losses": train_losses,
+        "train_seconds": train_seconds,
+    }
+
+
+def write_summary(summary: dict[str, Any], out_dir: Path) -> str:
+    """Write `out_dir/summary.json`; returns the closing lines (steps, set-up, where things went)."""
+    path = out_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return (
+        f"{summary['optimizer_steps']} optimizer steps in {summary['train_seconds']:.0f}s with "
+        f"{summary['backend']}, ZeRO-{summary['zero_stage']}, {summary['num_processes']} processes\n"
+        f"model:   {summary['model_dir']}\nmetrics: {summary['metrics_file']}\nsummary: {path.resolve()}"
+    )
 
 
 # ---------------------------------------------------------------------------------- checkpoints

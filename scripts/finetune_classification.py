@@ -29,8 +29,6 @@ object per logged step and per evaluation), `summary.json`, and `tensorboard/` w
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -43,11 +41,15 @@ from _recipe import (
     add_output_args,
     engine_choices,
     load_data,
+    make_dataloaders,
     minilm_path,
+    num_optimizer_steps,
     quiet_libraries,
     resume,
+    run_facts,
     save_checkpoint,
     seed_everything,
+    write_summary,
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -135,11 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = raw.map(tokenize, batched=True, remove_columns=["sentence"], keep_in_memory=True)
     data = data.rename_column("label", "labels").with_format("torch")
     collate = DataCollatorWithPadding(tokenizer)
-    generator = torch.Generator().manual_seed(args.seed)
-    train_dl = DataLoader(
-        data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
-    )
-    eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
+    train_dl, eval_dl = make_dataloaders(data, args, collate)
 
     # ---- model: created inside init_context, so ZeRO-3 partitions it while it loads
     with engine.init_context():
@@ -158,10 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
-    batches_per_epoch = math.ceil(len(data["train"]) / (args.batch_size * engine.num_processes))
-    total_steps = math.ceil(batches_per_epoch / ga) * args.epochs
-    if args.max_steps > 0:
-        total_steps = min(total_steps, args.max_steps)
+    total_steps = num_optimizer_steps(engine, len(data["train"]), args)
     scheduler = get_linear_schedule_with_warmup(
         optimizer, round(args.warmup_ratio * total_steps), total_steps
     )
@@ -243,15 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- save (collective: every rank calls it; rank 0 writes), then reload it plainly on rank 0
     model_dir = out_dir / "model"
     engine.save_pretrained(model, model_dir, tokenizer=tokenizer)
-    summary: dict[str, Any] = {
-        "backend": engine.backend_name,
-        "num_processes": engine.num_processes,
-        "zero_stage": engine.config.zero_stage,
-        "precision": engine.config.precision,
-        "optimizer_steps": step,
-        "skipped_steps": engine.num_skipped_steps,
-        "train_losses": train_losses,
-        "train_seconds": train_time,
+    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time)
+    summary |= {
         "validation_samples": after["samples"],
         "untrained_accuracy": before["accuracy"],
         "untrained_loss": before["loss"],
@@ -263,14 +251,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if main_proc:
         reloaded = evaluate_reloaded(model_dir, data["validation"], collate, args.eval_batch_size)
         summary["reloaded_accuracy"] = reloaded
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(
             f"\nvalidation accuracy: untrained {before['accuracy']:.3f} -> trained {after['accuracy']:.3f} "
             f"(reloaded from disk: {reloaded:.3f}) on {after['samples']} sentences; "
-            f"{step} optimizer steps in {train_time:.0f}s with {engine.backend_name}, "
-            f"ZeRO-{engine.config.zero_stage}, {engine.num_processes} processes\n"
-            f"model:   {summary['model_dir']}\nmetrics: {summary['metrics_file']}\n"
-            f"summary: {(out_dir / 'summary.json').resolve()}"
+            + write_summary(summary, out_dir)
         )
     log.close()
     engine.wait_for_everyone()

@@ -23,7 +23,6 @@ Outputs in OUTPUT_DIR: `model/`, `metrics.jsonl`, `summary.json` (and `tensorboa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -37,11 +36,15 @@ from _recipe import (
     add_output_args,
     engine_choices,
     load_data,
+    make_dataloaders,
     minilm_path,
+    num_optimizer_steps,
     quiet_libraries,
     resume,
+    run_facts,
     save_checkpoint,
     seed_everything,
+    write_summary,
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -137,11 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = raw.map(tokenize, batched=True, remove_columns=["sentence", "label"], keep_in_memory=True)
     data = data.with_format("torch")
     collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)  # labels = input_ids, padding -> -100
-    generator = torch.Generator().manual_seed(args.seed)
-    train_dl = DataLoader(
-        data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
-    )
-    eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
+    train_dl, eval_dl = make_dataloaders(data, args, collate)
 
     # ---- model: a GPT-2 from a config, created inside init_context (ZeRO-3 partitions it at
     # creation). from_config (not GPT2LMHeadModel(config)) lets transformers initialise the
@@ -166,10 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         no_decay = [p for p in model.parameters() if len(p.ds_shape) < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    batches_per_epoch = math.ceil(len(data["train"]) / (args.batch_size * engine.num_processes))
-    total_steps = math.ceil(batches_per_epoch / ga) * args.epochs
-    if args.max_steps > 0:
-        total_steps = min(total_steps, args.max_steps)
+    total_steps = num_optimizer_steps(engine, len(data["train"]), args)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, round(args.warmup_ratio * total_steps), total_steps
     )
@@ -238,16 +234,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- save (collective: every rank calls it; rank 0 writes), then reload it plainly on rank 0
     model_dir = out_dir / "model"
     engine.save_pretrained(model, model_dir, tokenizer=tokenizer)
-    summary: dict[str, Any] = {
-        "backend": engine.backend_name,
-        "num_processes": engine.num_processes,
-        "zero_stage": engine.config.zero_stage,
-        "precision": engine.config.precision,
+    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time)
+    summary |= {
         "num_parameters": num_params,
-        "optimizer_steps": step,
-        "skipped_steps": engine.num_skipped_steps,
-        "train_losses": train_losses,
-        "train_seconds": train_time,
         "validation_samples": after["samples"],
         "untrained_perplexity": before["perplexity"],
         "perplexity": after["perplexity"],
@@ -258,15 +247,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["reloaded_perplexity"] = evaluate_reloaded(
             model_dir, data["validation"], collate, args.eval_batch_size
         )
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(
             f"\nvalidation perplexity: untrained {before['perplexity']:.1f} -> "
             f"trained {after['perplexity']:.2f} "
             f"(reloaded from disk: {summary['reloaded_perplexity']:.2f}) on {after['samples']} sentences; "
-            f"{step} optimizer steps in {train_time:.0f}s with {engine.backend_name}, "
-            f"ZeRO-{engine.config.zero_stage}, {engine.num_processes} processes\n"
-            f"model:   {summary['model_dir']}\nmetrics: {summary['metrics_file']}\n"
-            f"summary: {(out_dir / 'summary.json').resolve()}"
+            + write_summary(summary, out_dir)
         )
     log.close()
     engine.wait_for_everyone()
