@@ -492,14 +492,39 @@ def _publish(tmp: Path, target: Path) -> None:
             _fsync_file(path)
     _fsync_dir(tmp)
     if target.exists():
-        old = _tmp_sibling(target, "old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-        os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        if _exchange(tmp, target):  # one atomic swap: the final name always holds a whole folder
+            shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old folder
+        else:  # no renameat2: two renames, and the old folder is put back if the second fails
+            old = _tmp_sibling(target, "old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, target)
     _fsync_dir(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return bool(result == 0)
 
 
 def _preflight(save_directory: Path, module: nn.Module | None, tokenizer: Any) -> str:
@@ -1042,6 +1067,12 @@ def _save_safe(obj: Any, path: Path, what: str) -> None:
 def _load_safe(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        check_pickle_file(path)  # names the callable if the file would run code
+        raise ValueError(
+            f"checkpoint file {str(path)!r} holds objects that only an unrestricted unpickler could load. "
+            "HINT: ds_engine writes tensors and plain containers only; was this file written by ds_engine?"
+        ) from None
     except Exception as exc:
         raise ValueError(
             f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}). "

@@ -55,6 +55,8 @@ class UnsafeCheckpointError(ValueError):
 
 
 def _is_allowed(name: str) -> bool:
+    if name.startswith("__builtin__."):  # protocol <= 2 spells builtins the Python 2 way
+        name = "builtins." + name[len("__builtin__.") :]
     if name in _ALLOWED_EXACT:
         return True
     module, _, attr = name.rpartition(".")

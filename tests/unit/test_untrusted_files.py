@@ -92,13 +92,13 @@ def test_malicious_file_in_a_fallback_checkpoint_is_refused(
     marker = tmp_path / "marker"
     plant(ckpt / "t1" / name, marker, zip_format=zip_format)
     engine, *_ = _prepared()
-    with pytest.raises(
-        ValueError, match=rf"(?s){name}.*(Unsupported global|weights_only|truncated or corrupt)"
-    ) as info:
+    # a torch.save zip is refused for what it would call; a bare pickle is not a torch.save file at all
+    expected = "could execute code" if zip_format else "truncated or corrupt"
+    with pytest.raises(ValueError, match=rf"(?s){name}.*{expected}.*HINT") as info:
         engine.load_checkpoint(ckpt)
     assert not marker.exists(), "the checkpoint ran code"
-    if zip_format:  # the message says it was refused because loading would run a callable
-        assert "exec" in str(info.value)
+    if zip_format:
+        assert "exec" in str(info.value)  # names the callable it refused
 
 
 # --------------------------------------------------------------------------- offline consolidate
