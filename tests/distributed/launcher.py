@@ -66,6 +66,21 @@ def run_command(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
+def torchrun_command(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
+    """`python -m torch.distributed.run` on `nproc` local ranks, a free port, no restarts."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--max-restarts=0",
+        str(script),
+        *args,
+    ]
+
+
 def run_workers(
     script: str,
     *args: str,
@@ -77,19 +92,7 @@ def run_workers(
     """Launch `workers/<script>` on `nproc` ranks and return each rank's JSON result."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="ds_engine_test_"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "--max-restarts=0",
-        str(WORKERS / script),
-        "--out",
-        str(out),
-        *args,
-    ]
+    cmd = torchrun_command(WORKERS / script, "--out", str(out), *args, nproc=nproc)
     result = run_command(cmd, timeout=timeout, env=worker_env(env))
     if result.returncode != 0:
         raise RuntimeError(

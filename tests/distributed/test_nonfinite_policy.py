@@ -13,13 +13,12 @@ the limit set to 3: step 1 is skipped alone, steps 3 and 4 are skipped, and step
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import WORKERS, free_port, run_command, worker_env
+from tests.distributed.launcher import WORKERS, run_command, torchrun_command, worker_env
 
 pytestmark = pytest.mark.distributed
 
@@ -27,21 +26,14 @@ LIMIT, ISOLATED, RUN_FROM = 3, 1, 3
 
 
 def _launch(tmp_path: Path, scenarios: list[dict]) -> tuple[int, str, list[dict], float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "--max-restarts=0",
-        str(WORKERS / "nonfinite_policy.py"),
+    cmd = torchrun_command(
+        WORKERS / "nonfinite_policy.py",
         "--out",
         str(tmp_path),
         "--scenarios",
         json.dumps(scenarios),
         "--reraise",
-    ]
+    )
     result = run_command(cmd, timeout=400, env=worker_env())
     end = time.time()
     ranks = []

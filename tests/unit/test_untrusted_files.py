@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -219,22 +218,11 @@ _DS_SCRIPT = textwrap.dedent(
 
 
 def _deepspeed_load(tmp_path: Path, stage: int, name: str) -> dict[str, Any]:
-    from tests.distributed.launcher import free_port, run_command, worker_env
+    from tests.distributed.launcher import run_command, torchrun_command, worker_env
 
     script = tmp_path / "ds_load.py"
     script.write_text(_DS_SCRIPT.format(tests=str(Path(__file__).parent)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(script),
-        str(tmp_path),
-        str(stage),
-        name,
-    ]
+    cmd = torchrun_command(script, str(tmp_path), str(stage), name, nproc=1)
     result = run_command(cmd, timeout=240, env=worker_env())
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((tmp_path / "result.json").read_text())
