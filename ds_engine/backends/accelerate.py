@@ -84,7 +84,8 @@ class AccelerateBackend(Backend):
         if eff.zero_stage > 0:
             notes.append(
                 f"zero_stage={eff.zero_stage}: runs as DDP, every rank holds full parameters, "
-                "gradients and optimizer states"
+                "gradients and optimizer states (accelerate offers FSDP only on GPUs, and ds_engine "
+                "does not map ZeRO stages to it yet)"
             )
         if eff.offload_optimizer != "none":
             notes.append(f"offload_optimizer={eff.offload_optimizer!r}: the optimizer stays on the device")
