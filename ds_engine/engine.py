@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ds_engine._imports import INSTALL_HINT, deepspeed_unavailable_reason, require_deepspeed
 from ds_engine.backends.base import Backend
-from ds_engine.config import ConfigError, EngineConfig, load_json_config
+from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer
 
@@ -100,7 +100,9 @@ class Engine:
             user_config = config
         elif config is None or isinstance(config, (str, os.PathLike, Mapping)):
             if config is not None:
-                base = load_json_config(_resolve_preset(config))
+                from ds_engine.ds_config import load_base
+
+                base, _ = load_base(config)  # a JSON path, a preset name, or a dict
             user_config = EngineConfig.from_kwargs(**choices)
         else:
             raise ConfigError(
@@ -588,15 +590,6 @@ class Engine:
         from ds_engine.checkpoint import load_training_checkpoint
 
         return load_training_checkpoint(self, directory, tag=tag)
-
-
-def _resolve_preset(config: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
-    if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
-        from ds_engine.ds_config import PRESETS, preset_path
-
-        if str(config) in PRESETS:
-            return preset_path(str(config))
-    return config
 
 
 def _map_tensors(data: Any, fn: Any) -> Any:
