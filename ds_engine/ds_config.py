@@ -104,8 +104,8 @@ def load_base(base: str | os.PathLike[str] | Mapping[str, Any] | None) -> tuple[
         path = preset_path(base)
     elif not path.exists():
         raise ConfigError(
-            f"DeepSpeed config `{base}` is neither an existing file nor a preset (presets: "
-            f"{', '.join(PRESETS)}). HINT: check the path or use a preset name such as zero2"
+            f"DeepSpeed config `{base}` is neither an existing file nor a preset: the file does not exist "
+            f"(presets: {', '.join(PRESETS)}). HINT: check the path or use a preset name such as zero2"
         )
     return load_json_config(path), str(path)
 
