@@ -1,16 +1,31 @@
-"""Plain-accelerate fallback: DDP (or a single process) when DeepSpeed is not installed.
+"""Plain-accelerate fallback when DeepSpeed is not installed: FSDP2 or DDP.
 
-Same Engine semantics as the DeepSpeed backend: gradients are reduced once per optimizer
-step (DDP `no_sync` on every non-boundary micro-step), the applied gradient is the mean over
-the window, `gradient_clipping` is applied at every boundary, and a step with non-finite
-gradients is skipped and counted (accelerate's GradScaler where it has one, our own check
-where it has none, as on CPU).
+ZeRO stages map onto what accelerate offers on the platform:
+
+- ``zero_stage=3`` -> FSDP2 with ``reshard_after_forward=True`` (FULL_SHARD: parameters,
+  gradients and optimizer states sharded; parameters gathered per layer for compute);
+- ``zero_stage=2`` -> FSDP2 with ``reshard_after_forward=False`` (SHARD_GRAD_OP: parameters
+  stay gathered between forward and backward, gradients and optimizer states sharded);
+- ``zero_stage`` 0/1, one process, or a platform where accelerate has no FSDP (CPU: its
+  FSDP exists only for GPU-type distributed setups) -> DDP. Every choice that cannot be
+  honoured is listed in the Engine's one warning.
+
+Same Engine semantics as the DeepSpeed backend: under DDP gradients are reduced once per
+optimizer step (`no_sync` on every non-boundary micro-step); under FSDP they are
+reduce-scattered on every micro-step like ZeRO-2/3, or once per step with
+``coalesce_grad_reduction=True`` (FSDP2's ``set_requires_gradient_sync(False)``: unsharded
+gradients are kept until the boundary, trading memory for communication). The applied
+gradient is the mean over the window, `gradient_clipping` is applied at every boundary, and
+a step with non-finite gradients is skipped and counted (accelerate's GradScaler where it
+has one, our own check where it has none, as on CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +33,16 @@ import torch
 
 from ds_engine.backends.base import Backend, StepOutcome
 from ds_engine.config import EngineConfig
+
+#: The process group's distributed type before any FSDP plugin upgraded it (process-wide, as
+#: accelerate's own state is).
+_BASE_DISTRIBUTED_TYPE: Any = None
+
+
+def _global_float(norm: torch.Tensor) -> float:
+    """A norm as a float; FSDP's DTensor norms are partial per rank until made full."""
+    full_tensor = getattr(norm, "full_tensor", None)
+    return float(full_tensor() if full_tensor is not None else norm)
 
 
 class AccelerateBackend(Backend):
@@ -32,10 +57,35 @@ class AccelerateBackend(Backend):
         self.optimizer: Any = None
         self._unscaled = False
         self._clip_norm: float | None = None
+        self.fsdp = False
+        """True when the model is sharded with FSDP2 (ZeRO-2/3 on a platform that has it)."""
 
     # -------------------------------------------------------------- process group
     def _cpu_only(self) -> bool:
         return not torch.cuda.is_available()
+
+    def _platform_offers_fsdp(self) -> bool:
+        """accelerate enables FSDP only for GPU-type distributed setups (not MULTI_CPU)."""
+        return not self._cpu_only()
+
+    def _wants_fsdp(self) -> bool:
+        """ZeRO-2/3 with more than one process: sharding is worth asking accelerate for."""
+        return self.effective.zero_stage >= 2 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+    def _fsdp_plugin(self) -> Any:
+        """The FSDP2 plugin that mirrors the ZeRO stage (and CPU offload) of the config."""
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        eff = self.effective
+        return FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            # ZeRO-3 re-shards parameters after forward (FULL_SHARD); ZeRO-2 keeps them
+            # gathered until backward (SHARD_GRAD_OP). Gradients/optimizer states are sharded.
+            reshard_after_forward=eff.zero_stage >= 3,
+            cpu_offload="cpu" in (eff.offload_params, eff.offload_optimizer),
+            # one FSDP unit per transformer block (`_no_split_modules`); the root otherwise
+            auto_wrap_policy="transformer_based_wrap",
+        )
 
     def _mixed_precision(self) -> str:
         precision = self.effective.precision
@@ -59,20 +109,44 @@ class AccelerateBackend(Backend):
                     init_scale=2.0**eff.initial_scale_power, growth_interval=eff.loss_scale_window
                 )
             )
-        from accelerate.state import AcceleratorState
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import DistributedType
 
+        global _BASE_DISTRIBUTED_TYPE
+        # The process group first (cpu=True is what makes accelerate form a multi-process
+        # gloo group on CPU ranks), so that its distributed type is known before FSDP.
+        partial = PartialState(cpu=self._cpu_only(), timeout=timedelta(seconds=eff.dist_timeout_s))
+        if partial.distributed_type != DistributedType.FSDP:
+            _BASE_DISTRIBUTED_TYPE = partial.distributed_type
+        plugin = self._fsdp_plugin() if self._wants_fsdp() and self._platform_offers_fsdp() else None
         state = AcceleratorState._shared_state
-        if state and state.get("_mixed_precision") not in (None, self._mixed_precision()):
-            # accelerate keeps one process-wide precision; a second Engine with another
-            # precision gets a fresh AcceleratorState on the same process group.
+        if state and (
+            state.get("_mixed_precision") not in (None, self._mixed_precision())
+            or plugin is not None
+            or state.get("fsdp_plugin") is not None
+        ):
+            # accelerate keeps one process-wide precision and FSDP plugin; a second Engine
+            # with other choices gets a fresh AcceleratorState on the same process group.
             AcceleratorState._reset_state(reset_partial_state=False)
-        # cpu=True is what makes accelerate form a multi-process gloo group on CPU ranks.
+            if _BASE_DISTRIBUTED_TYPE is not None:
+                # accelerate also records FSDP in the shared PartialState; undo that so this
+                # Accelerator decides afresh (FSDP only if it gets a plugin).
+                PartialState._shared_state["distributed_type"] = _BASE_DISTRIBUTED_TYPE
         self.accelerator = Accelerator(
             cpu=self._cpu_only(),
             mixed_precision=self._mixed_precision(),
             kwargs_handlers=handlers,
             gradient_accumulation_steps=1,
+            fsdp_plugin=plugin,
         )
+        self.fsdp = self.accelerator.distributed_type == DistributedType.FSDP
+        if plugin is not None and not self.fsdp:
+            warnings.warn(
+                f"ds_engine: accelerate did not enable FSDP for zero_stage={self.effective.zero_stage} "
+                f"(distributed type {self.accelerator.distributed_type}); running DDP, every rank "
+                "holds full parameters, gradients and optimizer states.",
+                stacklevel=3,
+            )
 
     @property
     def device(self) -> torch.device:
@@ -81,15 +155,32 @@ class AccelerateBackend(Backend):
 
     def unhonoured_choices(self) -> list[str]:
         eff, notes = self.effective, []
-        if eff.zero_stage > 0:
+        fsdp = self._wants_fsdp() and self._platform_offers_fsdp()
+        if eff.zero_stage == 1:
+            notes.append(
+                "zero_stage=1: runs as DDP, every rank holds full optimizer states (FSDP has no "
+                "optimizer-only sharding)"
+            )
+        elif eff.zero_stage >= 2 and not fsdp:
+            why = (
+                "accelerate offers FSDP only on GPUs"
+                if not self._platform_offers_fsdp()
+                else "one process has nothing to shard with"
+            )
             notes.append(
                 f"zero_stage={eff.zero_stage}: runs as DDP, every rank holds full parameters, "
-                "gradients and optimizer states (accelerate offers FSDP only on GPUs, and ds_engine "
-                "does not map ZeRO stages to it yet)"
+                f"gradients and optimizer states ({why})"
             )
-        if eff.offload_optimizer != "none":
+        if fsdp and "nvme" in (eff.offload_params, eff.offload_optimizer):
+            notes.append("offload to 'nvme': FSDP offloads to CPU memory only (used instead)")
+        elif fsdp and eff.offload_optimizer == "cpu" and eff.offload_params == "none":
+            notes.append(
+                "offload_optimizer='cpu': FSDP's CPU offload moves the parameters to CPU as well "
+                "(it has no optimizer-only offload)"
+            )
+        if not fsdp and eff.offload_optimizer != "none":
             notes.append(f"offload_optimizer={eff.offload_optimizer!r}: the optimizer stays on the device")
-        if eff.offload_params != "none":
+        if not fsdp and eff.offload_params != "none":
             notes.append(f"offload_params={eff.offload_params!r}: parameters stay on the device")
         if eff.precision == "fp16" and self._cpu_only():
             notes.append(
@@ -132,7 +223,12 @@ class AccelerateBackend(Backend):
     ) -> contextlib.AbstractContextManager[None]:
         if boundary or self.accelerator.num_processes == 1:
             return contextlib.nullcontext()
-        return self.accelerator.no_sync(model)  # DDP: no all-reduce on this micro-step
+        if self.fsdp and not self.effective.coalesce_grad_reduction:
+            # Like ZeRO-2/3: reduce-scatter every micro-step, keep only the gradient shard.
+            return contextlib.nullcontext()
+        # DDP: no all-reduce on this micro-step; FSDP2 with coalescing: no reduce-scatter
+        # (set_requires_gradient_sync(False)), unsharded gradients kept until the boundary.
+        return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
         # accelerate keeps accumulation state process-wide (GradientState); another Accelerator
@@ -153,7 +249,7 @@ class AccelerateBackend(Backend):
         if self._clip_norm is None:
             self._unscale_once()
             norm = torch.nn.utils.clip_grad_norm_(self._params(), max_norm)
-            self._clip_norm = float(norm)
+            self._clip_norm = _global_float(norm)
         return self._clip_norm
 
     def optimizer_step(self) -> StepOutcome:
@@ -166,7 +262,7 @@ class AccelerateBackend(Backend):
             self._unscale_once()
             params = self._params()
             grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            norm = _global_float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         scaler = self.accelerator.scaler
         if scaler is None and self.effective.skip_nonfinite_steps and not math.isfinite(norm):
             # No loss scaler here (CPU, bf16, fp32): skip ourselves, as DeepSpeed would.

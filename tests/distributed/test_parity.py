@@ -72,3 +72,28 @@ def test_accelerate_fallback_matches_the_reference_and_reduces_once_per_step():
     for r in results:
         assert r["backend_name"] == "accelerate"
         assert r["reductions"] == r["num_optimizer_steps"], r
+
+
+def test_accelerate_fallback_runs_zero_2_and_3_as_fsdp2_with_the_same_weights():
+    """ZeRO-3 -> FSDP2 FULL_SHARD, ZeRO-2 -> SHARD_GRAD_OP on the fallback where accelerate offers
+    FSDP (GPUs). On these CPU ranks the platform check is pretended (`--pretend-fsdp`, see
+    `workers/_common.pretend_fsdp_platform`); torch's FSDP2 and accelerate's preparation are real.
+    Reduce-scatter runs every micro-step like ZeRO-2/3, or once per step with coalescing."""
+    scenarios = _scenarios("accelerate", [2, 3]) + _scenarios("accelerate", [2, 3], coalesce=True)
+    ranks = run_workers("parity.py", "--pretend-fsdp", "--scenarios", json.dumps(scenarios))
+    results = ranks[0]["results"]
+    _check_parity(results)
+    for r in results:
+        label = f"zero{r['zero_stage']} {r['model']} GA={r['ga']} coalesce={r['coalesce']}"
+        assert r["backend_name"] == "accelerate" and r["fsdp"], label
+        assert not r["fallback_warnings"], (label, r["fallback_warnings"])
+        reshard = r["fsdp_reshard_after_forward"]
+        if r["zero_stage"] == 3 and r["model"] == "gpt2":
+            assert any(reshard), (label, reshard)  # the transformer blocks re-shard after forward
+        if r["zero_stage"] == 2:
+            assert not any(reshard), (label, reshard)  # kept gathered until backward
+        per_step = r["reductions"] / r["num_optimizer_steps"]
+        if r["coalesce"] or r["ga"] == 1:
+            assert per_step == 1, (label, per_step)
+        else:
+            assert per_step > 1, (label, per_step)  # reduce-scatter on every micro-step

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import ConfigError, Engine
@@ -64,6 +65,53 @@ def test_fallback_lists_every_choice_it_cannot_honour_in_one_warning():
     assert len(messages) == 1
     for expected in ("zero_stage=3", "offload_optimizer='cpu'", "precision='fp16'"):
         assert expected in messages[0]
+
+
+def _fallback_notes(monkeypatch, *, fsdp_platform: bool, world: int, **choices) -> str:
+    from ds_engine.backends.accelerate import AccelerateBackend
+
+    monkeypatch.setattr(AccelerateBackend, "_platform_offers_fsdp", lambda self: fsdp_platform)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Engine(backend="accelerate", **choices)
+    messages = [str(w.message) for w in caught if "cannot honour" in str(w.message)]
+    assert len(messages) <= 1
+    assert not dist.is_initialized()
+    return messages[0] if messages else ""
+
+
+def test_fallback_on_cpu_runs_zero_3_as_ddp_and_says_why(monkeypatch):
+    notes = _fallback_notes(monkeypatch, fsdp_platform=False, world=2, zero_stage=3)
+    assert "zero_stage=3: runs as DDP" in notes and "FSDP only on GPUs" in notes
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fallback_where_accelerate_has_fsdp_honours_zero_2_and_3(monkeypatch, stage):
+    assert "zero_stage" not in _fallback_notes(monkeypatch, fsdp_platform=True, world=2, zero_stage=stage)
+
+
+def test_fallback_fsdp_lists_what_it_still_cannot_honour(monkeypatch):
+    notes = _fallback_notes(monkeypatch, fsdp_platform=True, world=2, zero_stage=3, offload_optimizer="cpu")
+    assert "parameters to CPU as well" in notes and "zero_stage" not in notes
+    notes = _fallback_notes(monkeypatch, fsdp_platform=True, world=2, zero_stage=1)
+    assert "zero_stage=1: runs as DDP" in notes and "optimizer-only sharding" in notes
+    notes = _fallback_notes(monkeypatch, fsdp_platform=True, world=1, zero_stage=3)
+    assert "zero_stage=3: runs as DDP" in notes and "one process" in notes
+
+
+@pytest.mark.parametrize(("stage", "reshard"), [(2, False), (3, True)])
+def test_fallback_fsdp_plugin_mirrors_the_zero_stage(stage, reshard):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from ds_engine.backends.accelerate import AccelerateBackend
+    from ds_engine.config import EngineConfig
+
+    plugin = AccelerateBackend(EngineConfig.from_kwargs(zero_stage=stage), None)._fsdp_plugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    offloading = AccelerateBackend(EngineConfig.from_kwargs(zero_stage=stage, offload_optimizer="cpu"), None)
+    assert isinstance(offloading._fsdp_plugin().cpu_offload, CPUOffloadPolicy)
 
 
 def test_boundaries_every_ga_micro_steps_and_at_the_end_of_the_loader():

@@ -33,3 +33,35 @@ def patch_cpu_fp16() -> None:
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     CPU_Accelerator.is_fp16_supported = lambda self: True  # type: ignore[method-assign]
+
+
+def pretend_fsdp_platform() -> None:
+    """Let accelerate grant FSDP on these CPU ranks, as it does on GPUs (test code only).
+
+    accelerate enables FSDP only for GPU-type distributed setups, so on CPU the fallback runs
+    DDP. The one thing that cannot exist here, a GPU, is replaced by two switches: the
+    backend's platform check says yes, and when an Accelerator is given an FSDP plugin its
+    state turns from MULTI_CPU into FSDP. Everything after that is real: accelerate's FSDP2
+    preparation, torch's `fully_shard` on gloo, ds_engine's engine and checkpoints.
+    """
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from ds_engine.backends.accelerate import AccelerateBackend
+
+    AccelerateBackend._platform_offers_fsdp = lambda self: True  # type: ignore[method-assign]
+    original = accelerate.Accelerator.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is not None and self.state.distributed_type == DistributedType.MULTI_CPU:
+            if self.state.mixed_precision != "no":
+                plugin.set_mixed_precision(self.state.mixed_precision)
+            self.state.distributed_type = DistributedType.FSDP
+            self.state.fsdp_plugin = plugin
+            # as accelerate does for FSDP: every later AcceleratorState() copies this back
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    accelerate.Accelerator.__init__ = init  # type: ignore[method-assign]

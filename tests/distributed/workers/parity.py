@@ -3,7 +3,8 @@ compare the final fp32 weights with a single-process plain-torch reference that 
 accumulation window as one big batch. Also counts gradient reductions per optimizer step.
 
 Scenarios (JSON list of dicts) come in --scenarios; keys: model (mlp|gpt2), ga, backend,
-zero_stage, coalesce.
+zero_stage, coalesce. With --pretend-fsdp the fallback is granted FSDP on these CPU ranks
+(see `_common.pretend_fsdp_platform`), so ZeRO-2/3 run as FSDP2 on the fallback.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from _common import parse_args, write_result
+from _common import parse_args, pretend_fsdp_platform, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 MICRO_BATCH = 2
 LR = 1e-2
-COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "all_reduce_coalesced")
+COUNTED = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",  # FSDP2 (torch >= 2.13)
+    "reduce_scatter",
+    "reduce",
+    "all_reduce_coalesced",
+)
 calls = {"n": 0, "active": False, "phase": 0, "phases": set()}
 
 
@@ -110,7 +118,9 @@ def full_params(engine, model) -> dict[str, torch.Tensor]:
     module = engine.unwrap_model(model)
     out = {}
     for name, param in module.named_parameters():
-        if hasattr(param, "ds_id"):
+        if hasattr(param, "full_tensor"):  # FSDP2 shard
+            out[name] = param.full_tensor().detach().float().clone()
+        elif hasattr(param, "ds_id"):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
@@ -118,6 +128,17 @@ def full_params(engine, model) -> dict[str, torch.Tensor]:
         else:
             out[name] = param.detach().float().clone()
     return out
+
+
+def _reshard_after_forward(model: torch.nn.Module) -> list[bool]:
+    """FSDP2's reshard-after-forward setting of every sharded unit (empty when not FSDP2)."""
+    settings = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            settings.append(group.post_forward_mesh_info is not None)
+    return settings
 
 
 def run(scenario: dict, world: int) -> dict:
@@ -179,11 +200,16 @@ def run(scenario: dict, world: int) -> dict:
         "all_close": all(torch.allclose(got[n], ref[n], rtol=1e-5, atol=1e-6) for n in got),
         "backend_name": engine.backend_name,
         "warnings": [str(w.message) for w in caught if "coalesce" in str(w.message)],
+        "fallback_warnings": [str(w.message) for w in caught if "fallback" in str(w.message)],
+        "fsdp": type(model).__name__.startswith("FSDP") and hasattr(model, "set_requires_gradient_sync"),
+        "fsdp_reshard_after_forward": _reshard_after_forward(model),
     }
 
 
 def main() -> None:
-    args = parse_args([("--scenarios", {"required": True})])
+    args = parse_args([("--scenarios", {"required": True}), ("--pretend-fsdp", {"action": "store_true"})])
+    if args.pretend_fsdp:
+        pretend_fsdp_platform()
     _count_reductions()
     results = []
     for scenario in json.loads(args.scenarios):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import parse_args, rank, write_result
+from _common import parse_args, pretend_fsdp_platform, rank, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 NUM_SAMPLES = 48
@@ -125,6 +125,7 @@ def run_phase(phase: str, scenario: dict, out: Path, args) -> dict:
         parts = build(scenario, world)
         initial = full_weights(parts[0], parts[1])
         result["lrs"] = train(*parts, stochastic=stochastic, step=0, stop=TOTAL)
+        result["fsdp"] = hasattr(parts[1], "set_requires_gradient_sync")
         weights = full_weights(parts[0], parts[1])
         if rank() == 0:
             torch.save(weights, folder / "reference.pt")
@@ -141,6 +142,7 @@ def run_phase(phase: str, scenario: dict, out: Path, args) -> dict:
         result["warnings"] = [str(w.message) for w in caught if "ds_engine" in str(w.message)]
         result["client_state"] = client
         result["loaded_counters"] = [engine.num_optimizer_steps, engine.num_micro_steps]
+        result["fsdp"] = hasattr(model, "set_requires_gradient_sync")
         result["lr_after_load"] = [scheduler.get_last_lr()[0], optimizer.param_groups[0]["lr"]]
         if scenario.get("control"):  # sensitivity check: a disturbed RNG must change the outcome
             np.random.seed(999)
@@ -169,8 +171,11 @@ def main() -> None:
             ("--scenarios", {"required": True}),
             ("--from-dir", {"default": None}),
             ("--reference-dir", {"default": None}),
+            ("--pretend-fsdp", {"action": "store_true"}),
         ]
     )
+    if args.pretend_fsdp:  # the fallback's ZeRO-2/3 run as FSDP2 on these CPU ranks
+        pretend_fsdp_platform()
     results = {}
     for phase in args.phase.split(","):
         for scenario in json.loads(args.scenarios):
