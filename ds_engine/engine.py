@@ -123,6 +123,7 @@ class Engine:
             if problems:
                 raise ConfigError("the DeepSpeed config has problems:\n  - " + "\n  - ".join(problems))
         self._backend = backend_cls(user_config, base)
+        self._ended = False
         self.config: EngineConfig = self._backend.effective
         """The effective high-level choices (after merging the JSON)."""
         unhonoured = self._backend.unhonoured_choices()
@@ -191,6 +192,11 @@ class Engine:
 
     # ================================================================= processes
     def _dist(self) -> bool:
+        if self._ended:
+            raise RuntimeError(
+                "ds_engine: end_training() destroyed this run's process group; call it once, "
+                "after the last collective (saving, gathering, wait_for_everyone)."
+            )
         self._backend.setup_distributed()
         return dist.is_available() and dist.is_initialized()
 
@@ -242,6 +248,20 @@ class Engine:
         yield
         if self.is_main_process:
             self.wait_for_everyone()
+
+    def end_training(self) -> None:
+        """Wait for every process, then destroy the process group (accelerate's name).
+
+        Call it last, after saving: the Engine cannot communicate afterwards. Without it the
+        process group is destroyed at interpreter exit anyway (a gloo group left to
+        finalization can abort a finished run), but an explicit call ends the run at a point
+        every rank agrees on.
+        """
+        self._ended = True
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
 
     # ================================================================= model creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:

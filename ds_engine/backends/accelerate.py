@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ds_engine.backends.base import Backend, StepOutcome
+from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
 from ds_engine.config import EngineConfig
 
 #: The process group's distributed type before any FSDP plugin upgraded it (process-wide, as
@@ -116,6 +116,8 @@ class AccelerateBackend(Backend):
         # The process group first (cpu=True is what makes accelerate form a multi-process
         # gloo group on CPU ranks), so that its distributed type is known before FSDP.
         partial = PartialState(cpu=self._cpu_only(), timeout=timedelta(seconds=eff.dist_timeout_s))
+        if partial.use_distributed:
+            destroy_process_group_at_exit()
         if partial.distributed_type != DistributedType.FSDP:
             _BASE_DISTRIBUTED_TYPE = partial.distributed_type
         plugin = self._fsdp_plugin() if self._wants_fsdp() and self._platform_offers_fsdp() else None

@@ -8,6 +8,7 @@ library: DeepSpeed's engine, or accelerate + DDP.
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,31 @@ from typing import Any
 import torch
 
 from ds_engine.config import EngineConfig, resolve_engine_config
+
+_TEARDOWN_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group while the interpreter is still whole.
+
+    A process that exits with a gloo group alive lets interpreter finalization race gloo's
+    worker threads, which still hold tensors of finished work; the loser aborts with
+    "terminate called without an active exception" (SIGABRT) after training succeeded
+    (pytorch/pytorch#190489). Registered once, when a backend forms the group; a no-op when
+    the user already called `Engine.end_training()` or `destroy_process_group()`.
+    """
+    global _TEARDOWN_REGISTERED
+    if not _TEARDOWN_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _TEARDOWN_REGISTERED = True
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # exiting anyway: never mask the real exit status
+            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ds_engine._imports import require_deepspeed
-from ds_engine.backends.base import Backend, StepOutcome
+from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.ds_config import build_ds_config, hidden_size_from_model
 
@@ -80,6 +80,7 @@ class DeepSpeedBackend(Backend):
             timeout=timedelta(seconds=self.effective.dist_timeout_s),
             verbose=False,
         )
+        destroy_process_group_at_exit()
 
     @property
     def device(self) -> torch.device:

@@ -105,3 +105,13 @@ def run_workers(
             raise RuntimeError(f"rank {rank} wrote no result; output tail:\n{result.stdout[-8000:]}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def exit_probes(out: Path) -> list[bool]:
+    """Per rank, whether the process group was still alive at interpreter exit.
+
+    Written by workers that call `_common.probe_exit`; the Engine destroys its group in an
+    exit handler, so a finished run never leaves it to interpreter finalization.
+    """
+    files = sorted(Path(out).glob("exit*.json"))
+    return [json.loads(f.read_text())["group_alive_at_exit"] for f in files]

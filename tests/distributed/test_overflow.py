@@ -8,10 +8,12 @@ enabled for the test by patching `CPU_Accelerator.is_fp16_supported`).
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import run_workers
+from tests.distributed.launcher import exit_probes, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -20,9 +22,12 @@ STEPS = 8
 
 
 def _run(scenarios: list[dict]) -> list[dict]:
-    results = run_workers("overflow.py", "--scenarios", json.dumps(scenarios))[0]["results"]
+    out = Path(tempfile.mkdtemp(prefix="ds_engine_overflow_"))
+    results = run_workers("overflow.py", "--scenarios", json.dumps(scenarios), out_dir=out)[0]["results"]
     for r in results:
         assert "error" not in r, f"{r}\n{r.get('tb')}"
+    # several Engines ran in each process; none left its process group to finalization
+    assert exit_probes(out) == [False, False]
     return results
 
 

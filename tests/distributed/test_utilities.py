@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from tests.distributed.launcher import run_workers
+from tests.distributed.launcher import exit_probes, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -29,12 +32,20 @@ def _check(ranks: list[dict], backend: str) -> None:
     assert r0["printed"] == "hello from 0\n" and r1["printed"] == ""
     assert r0["order"] == ["0", "1"]
     assert r0["autocast_ok"] and r1["autocast_ok"]
+    assert not r0["group_alive_after_end_training"] and not r1["group_alive_after_end_training"]
+    assert "end_training() destroyed" in r0["after_end"]
+
+
+def _run(backend: str) -> None:
+    out = Path(tempfile.mkdtemp(prefix="ds_engine_utilities_"))
+    _check(run_workers("utilities.py", "--backend", backend, out_dir=out), backend)
+    assert exit_probes(out) == [False, False]
 
 
 def test_utilities_on_the_accelerate_fallback():
-    _check(run_workers("utilities.py", "--backend", "accelerate"), "accelerate")
+    _run("accelerate")
 
 
 @pytest.mark.deepspeed
 def test_utilities_on_deepspeed():
-    _check(run_workers("utilities.py", "--backend", "deepspeed"), "deepspeed")
+    _run("deepspeed")

@@ -28,6 +28,23 @@ def write_result(out: str, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def probe_exit(out: str) -> None:
+    """Record, at interpreter exit, whether the process group was still alive.
+
+    Registered before any Engine exists, so it runs after the Engine's own exit handler
+    (atexit runs handlers last-in, first-out).
+    """
+    import atexit
+
+    def record() -> None:
+        import torch.distributed as dist
+
+        alive = dist.is_available() and dist.is_initialized()
+        (Path(out) / f"exit{rank()}.json").write_text(json.dumps({"group_alive_at_exit": alive}))
+
+    atexit.register(record)
+
+
 def patch_cpu_fp16() -> None:
     """Let DeepSpeed's CPU accelerator accept fp16 (test code only; CPUs here lack native fp16)."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator

@@ -12,7 +12,7 @@ import math
 import os
 
 import torch
-from _common import parse_args, patch_cpu_fp16, write_result
+from _common import parse_args, patch_cpu_fp16, probe_exit, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -111,6 +111,7 @@ def run(s: dict) -> dict:
 
 def main() -> None:
     args = parse_args([("--scenarios", {"required": True})])
+    probe_exit(args.out)
     scenarios = json.loads(args.scenarios)
     if any(s["backend"] == "deepspeed" and s["precision"] == "fp16" for s in scenarios):
         patch_cpu_fp16()

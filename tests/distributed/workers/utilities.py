@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import parse_args, write_result
+from _common import parse_args, probe_exit, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 
 def main() -> None:
     args = parse_args([("--backend", {"required": True})])
+    probe_exit(args.out)
     from ds_engine import Engine
 
     engine = Engine(backend=args.backend, zero_stage=0)
@@ -67,6 +68,15 @@ def main() -> None:
     with engine.autocast():
         out["autocast_ok"] = bool(torch.isfinite(p_model(torch.ones(1, 3, device=engine.device))).all())
     out["pid"] = os.getpid()
+    engine.end_training()
+    import torch.distributed as dist
+
+    out["group_alive_after_end_training"] = dist.is_initialized()
+    try:
+        engine.wait_for_everyone()
+        out["after_end"] = "no error"
+    except RuntimeError as exc:
+        out["after_end"] = str(exc)
     write_result(args.out, out)
 
 
