@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: Environment variable through which `--config` reaches `Engine()` in every worker.
 CONFIG_ENV = "DS_ENGINE_CONFIG"
@@ -289,18 +290,35 @@ def _environment(added: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
+# How a rank ends when it is the consequence of another rank's failure: SIGTERM is torchrun
+# stopping the survivors; SIGABRT is how c10d/gloo threads end a process whose peer vanished.
+_CONSEQUENTIAL_SIGNALS = {"SIGTERM": 2, "SIGABRT": 1}
+
+
+def _how(failure: Any) -> str:
+    code = failure.exitcode
+    return f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+
+
 def _failure_message(exc: Exception) -> str:
     failures = getattr(exc, "failures", None) or {}
     if not failures:
         return f"the launch failed: {exc}"
-    rank, failure = exc.get_first_failure()  # type: ignore[attr-defined]
-    code = failure.exitcode
-    how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-    others = sorted(r for r in failures if r != rank)
-    tail = f" (also failed: ranks {', '.join(map(str, others))})" if others else ""
+
+    def order(rank: int) -> tuple[int, int, int]:
+        failure = failures[rank]
+        signal = failure.signal_name() if failure.exitcode < 0 else ""
+        # torchrun stamps failures in whole seconds, so ranks that die together tie; then
+        # name the one whose death is not the usual consequence of another's.
+        return failure.timestamp, _CONSEQUENTIAL_SIGNALS.get(signal, 0), rank
+
+    rank, *others = sorted(failures, key=order)
+    failure = failures[rank]
+    tail = "; ".join(f"rank {r} {_how(failures[r])}" for r in sorted(others))
+    tail = f" (also failed: {tail})" if tail else ""
     return (
-        f"rank {rank} (local rank {failure.local_rank}) {how}{tail}; the other ranks were stopped. "
-        "Its traceback is in the output above."
+        f"rank {rank} (local rank {failure.local_rank}) {_how(failure)}{tail}; the other ranks were "
+        "stopped. Its traceback is in the output above."
     )
 
 

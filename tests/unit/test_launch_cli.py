@@ -12,6 +12,7 @@ from ds_engine.launch import (
     CONFIG_ENV,
     LaunchError,
     LaunchSpec,
+    _failure_message,
     resolve_config,
     torchrun_args,
     validate,
@@ -177,3 +178,38 @@ def test_cli_script_args_are_not_parsed_by_the_launcher(script: str) -> None:
     assert args.script == script
     assert args.script_args == ["--config", "x", "-v"]
     assert args.config is None and args.nproc_per_node == "2"
+
+
+def _failed(*ranks: tuple[int, int, int]):
+    """torchrun's own ChildFailedError for (rank, exit code or -signal, timestamp) triples."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {}
+    for rank, exitcode, timestamp in ranks:
+        failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+        failure.timestamp = timestamp
+        failures[rank] = failure
+    return ChildFailedError("train.py", failures)
+
+
+def test_failure_summary_names_the_rank_that_failed_first() -> None:
+    message = _failure_message(_failed((0, 1, 101), (1, -6, 100)))
+    assert message.startswith(
+        "rank 1 (local rank 1) was killed by SIGABRT (also failed: rank 0 exited with code 1)"
+    )
+
+
+def test_failure_summary_breaks_whole_second_ties_towards_the_cause() -> None:
+    # rank 1 SIGKILLed; in the same second rank 0 aborted on the broken connection, and
+    # torchrun stamped both alike: rank 1 is the cause, rank 0 the consequence
+    message = _failure_message(_failed((0, -6, 100), (1, -9, 100)))
+    assert message.startswith(
+        "rank 1 (local rank 1) was killed by SIGKILL (also failed: rank 0 was killed by SIGABRT)"
+    )
+    message = _failure_message(_failed((0, -15, 100), (1, 1, 100), (2, -6, 100)))
+    assert message.startswith(
+        "rank 1 (local rank 1) exited with code 1 (also failed: rank 0 was killed by SIGTERM; rank 2"
+    )
+    # equal in every respect: the lowest rank
+    message = _failure_message(_failed((0, 1, 100), (1, 1, 100)))
+    assert message.startswith("rank 0 (local rank 0) exited with code 1 (also failed: rank 1")
