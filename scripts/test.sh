@@ -9,7 +9,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 bash scripts/setup_env.sh .venv || exit 1
+# DeepSpeed compiles its CPU-Adam op on first use (about a minute); build it into the
+# torch_extensions cache while the second environment installs.
+.venv/bin/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+  > .cpu_adam_build.log 2>&1 &
+prebuild=$!
 bash scripts/setup_env.sh .venv-nods --no-deepspeed || exit 1
+wait "$prebuild" || echo "[setup] CPU-Adam prebuild failed (tests will build it): see .cpu_adam_build.log"
 status=0
 echo "== lint: ruff + mypy"
 .venv/bin/ruff check ds_engine tests scripts || status=1

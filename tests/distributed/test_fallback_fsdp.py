@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_workers
-from tests.distributed.test_resume import _check_resumed, _scenarios
+from tests.distributed.test_resume import _check_resumed, three_launches
 
 pytestmark = [pytest.mark.distributed]
 
@@ -32,35 +32,7 @@ RESIZE = {"fsdp3_det": {"backend": "accelerate", "zero_stage": 3, "stochastic": 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ref = tmp_path_factory.mktemp("fsdp_ref")
-    one = tmp_path_factory.mktemp("fsdp_one")
-    two = tmp_path_factory.mktemp("fsdp_two")
-    common = ("--pretend-fsdp", "--from-dir", str(ref), "--reference-dir", str(ref))
-    scenarios = _scenarios(SAME_WORLD) + _scenarios(RESIZE)
-    reference = run_workers(
-        "resume.py", "--phase", "reference", "--scenarios", json.dumps(scenarios), *common, out_dir=ref
-    )
-    single = run_workers(
-        "resume.py",
-        "--phase",
-        "resume,save",
-        "--scenarios",
-        json.dumps(_scenarios(RESIZE)),
-        *common,
-        nproc=1,
-        out_dir=one,
-    )
-    resized = [{**s, "from_dir": str(one)} for s in _scenarios(RESIZE)]
-    double = run_workers(
-        "resume.py",
-        "--phase",
-        "resume",
-        "--scenarios",
-        json.dumps([*_scenarios(SAME_WORLD), *resized]),
-        *common,
-        out_dir=two,
-    )
-    return {"reference": reference, "single": single, "double": double, "ref_dir": ref, "one_dir": one}
+    return three_launches(tmp_path_factory, "fsdp", SAME_WORLD, RESIZE, "--pretend-fsdp")
 
 
 def _optimizer_format(folder) -> str:

@@ -38,46 +38,34 @@ def _scenarios(table: dict, **extra) -> list[dict]:
     return [{"name": name, **spec, **extra} for name, spec in table.items()]
 
 
+def three_launches(
+    tmp_path_factory, prefix: str, same_world: dict, resize: dict, *args: str, extra_resumed=()
+) -> dict:
+    """The three launches: references + checkpoints (2 ranks), 2 -> 1 resume (1 rank), then
+    every same-world resume and the 1 -> 2 resume (2 ranks). `args` go to every launch."""
+    ref = tmp_path_factory.mktemp(f"{prefix}_ref")
+    one = tmp_path_factory.mktemp(f"{prefix}_one")
+    two = tmp_path_factory.mktemp(f"{prefix}_two")
+    common = (*args, "--from-dir", str(ref), "--reference-dir", str(ref))
+    scenarios = _scenarios(same_world) + _scenarios(resize)
+
+    def launch(phase: str, todo: list[dict], out, nproc: int = 2) -> list[dict]:
+        return run_workers(
+            "resume.py", "--phase", phase, "--scenarios", json.dumps(todo), *common,
+            nproc=nproc, out_dir=out, timeout=900,
+        )  # fmt: skip
+
+    reference = launch("reference", scenarios, ref)
+    single = launch("resume,save", _scenarios(resize), one, nproc=1)
+    resized = [{**s, "from_dir": str(one)} for s in _scenarios(resize)]
+    double = launch("resume", [*_scenarios(same_world), *extra_resumed, *resized], two)
+    return {"reference": reference, "single": single, "double": double, "ref_dir": ref, "one_dir": one}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ref = tmp_path_factory.mktemp("resume_ref")
-    one = tmp_path_factory.mktemp("resume_one")
-    two = tmp_path_factory.mktemp("resume_two")
-    scenarios = _scenarios(SAME_WORLD) + _scenarios(RESIZE)
-    reference = run_workers(
-        "resume.py", "--phase", "reference", "--scenarios", json.dumps(scenarios), out_dir=ref, timeout=900
-    )
-    single = run_workers(
-        "resume.py",
-        "--phase",
-        "resume,save",
-        "--scenarios",
-        json.dumps(_scenarios(RESIZE)),
-        "--from-dir",
-        str(ref),
-        "--reference-dir",
-        str(ref),
-        nproc=1,
-        out_dir=one,
-        timeout=900,
-    )
     control = {"name": "fallback_control", **SAME_WORLD["fallback"], "control": True}
-    resized = [{**s, "from_dir": str(one)} for s in _scenarios(RESIZE)]
-    resumed = [*_scenarios(SAME_WORLD), control, *resized]
-    double = run_workers(
-        "resume.py",
-        "--phase",
-        "resume",
-        "--scenarios",
-        json.dumps(resumed),
-        "--from-dir",
-        str(ref),
-        "--reference-dir",
-        str(ref),
-        out_dir=two,
-        timeout=900,
-    )
-    return {"reference": reference, "single": single, "double": double}
+    return three_launches(tmp_path_factory, "resume", SAME_WORLD, RESIZE, extra_resumed=[control])
 
 
 def _check_resumed(reference: dict, resumed: dict) -> None:
