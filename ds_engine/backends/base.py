@@ -30,6 +30,10 @@ def destroy_process_group_at_exit() -> None:
     "terminate called without an active exception" (SIGABRT) after training succeeded
     (pytorch/pytorch#190489). Registered once, when a backend forms the group; a no-op when
     the user already called `Engine.end_training()` or `destroy_process_group()`.
+
+    Only gloo groups: destroying one is local and immediate even when a peer has died. An
+    NCCL group is left alone here (its communicator shutdown may wait on peers of a failed
+    run, which would keep a crashed rank from exiting); `Engine.end_training()` ends it.
     """
     global _TEARDOWN_REGISTERED
     if not _TEARDOWN_REGISTERED:
@@ -42,7 +46,8 @@ def _destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # exiting anyway: never mask the real exit status
-            dist.destroy_process_group()
+            if dist.get_backend() == "gloo":
+                dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
