@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,28 @@ def torchrun_command(script: str | Path, *args: str, nproc: int = 2) -> list[str
     ]
 
 
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_after_finishing(output: str, out: Path, nproc: int) -> bool:
+    """True when every rank wrote its result and the only failure is torch's exit-time abort.
+
+    A C++ thread of torch that touches Python while the interpreter finalizes ends the process
+    with SIGABRT after the work is done (pytorch/pytorch#190489, open). It struck 3 worker
+    launches in 4 full CI runs (about 100 launches each), also with the process group
+    destroyed, and none in 40 local repeats. Such a run is judged by its results; any other
+    failure (a traceback, another exit code or signal, a missing result) still fails.
+    """
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
+    finished = all((out / f"rank{rank}.json").exists() for rank in range(nproc))
+    if not (finished and _EXIT_ABORT in output and "-6" in codes):
+        return False
+    if not set(codes) <= {"-6", "-15"} or re.search(r"^\[rank\d+\]: Traceback", output, re.M):
+        return False
+    warnings.warn(f"workers finished, then a rank hit torch's exit-time abort: {_EXIT_ABORT!r}", stacklevel=3)
+    return True
+
+
 def run_workers(
     script: str,
     *args: str,
@@ -94,7 +118,7 @@ def run_workers(
     out.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(WORKERS / script, "--out", str(out), *args, nproc=nproc)
     result = run_command(cmd, timeout=timeout, env=worker_env(env))
-    if result.returncode != 0:
+    if result.returncode != 0 and not _aborted_after_finishing(result.stdout, out, nproc):
         raise RuntimeError(
             f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}"
         )

@@ -26,6 +26,12 @@ def write_result(out: str, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
+    # No rank leaves (and risks torch's exit-time abort, see launcher._aborted_after_finishing)
+    # before every rank has written its result.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def probe_exit(out: str) -> None:

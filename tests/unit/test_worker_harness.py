@@ -1,0 +1,38 @@
+"""The worker harness tolerates torch's exit-time abort only after every rank finished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launcher import _EXIT_ABORT, _aborted_after_finishing
+
+SUMMARY = (
+    "Failures:\n  exitcode  : -15 (pid: 1)  (SIGTERM)\nRoot Cause:\n  exitcode  : -6 (pid: 2)  (SIGABRT)\n"
+)
+
+
+def _results(out: Path, ranks: int) -> None:
+    for rank in range(ranks):
+        (out / f"rank{rank}.json").write_text("{}")
+
+
+def test_abort_after_every_rank_finished_is_tolerated_with_a_warning(tmp_path: Path) -> None:
+    _results(tmp_path, 2)
+    with pytest.warns(UserWarning, match="exit-time abort"):
+        assert _aborted_after_finishing(f"{_EXIT_ABORT}\n{SUMMARY}", tmp_path, 2)
+
+
+@pytest.mark.parametrize(
+    ("output", "written"),
+    [
+        (f"{_EXIT_ABORT}\n{SUMMARY}", 1),  # a rank never finished
+        (SUMMARY, 2),  # SIGABRT, but not the exit-time abort
+        (f"{_EXIT_ABORT}\n{SUMMARY}".replace("-15", "1"), 2),  # another rank exited with 1
+        (f"[rank0]: Traceback (most recent call last):\n{_EXIT_ABORT}\n{SUMMARY}", 2),  # it raised
+    ],
+)
+def test_any_other_failure_still_fails(tmp_path: Path, output: str, written: int) -> None:
+    _results(tmp_path, written)
+    assert not _aborted_after_finishing(output, tmp_path, 2)
