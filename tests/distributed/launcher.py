@@ -92,8 +92,9 @@ def _aborted_after_finishing(output: str, out: Path, nproc: int) -> bool:
     A C++ thread of torch that touches Python while the interpreter finalizes ends the process
     with SIGABRT after the work is done (pytorch/pytorch#190489, open). It struck 3 worker
     launches in 4 full CI runs (about 100 launches each), also with the process group
-    destroyed, and none in 40 local repeats. Such a run is judged by its results; any other
-    failure (a traceback, another exit code or signal, a missing result) still fails.
+    destroyed, and none in 13 local repeats of those workers (nor in 18 dead-rank runs). Such
+    a run is judged by its results; any other failure (a traceback, another exit code or
+    signal, a missing result) still fails.
     """
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
     finished = all((out / f"rank{rank}.json").exists() for rank in range(nproc))
@@ -134,8 +135,8 @@ def run_workers(
 def exit_probes(out: Path) -> list[bool]:
     """Per rank, whether the process group was still alive at interpreter exit.
 
-    Written by workers that call `_common.probe_exit`; the Engine destroys its group in an
-    exit handler, so a finished run never leaves it to interpreter finalization.
+    Written by workers that call `_common.probe_exit`; the Engine destroys a gloo group in an
+    exit handler, before interpreter finalization.
     """
     files = sorted(Path(out).glob("exit*.json"))
     return [json.loads(f.read_text())["group_alive_at_exit"] for f in files]

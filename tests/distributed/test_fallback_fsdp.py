@@ -32,7 +32,7 @@ RESIZE = {"fsdp3_det": {"backend": "accelerate", "zero_stage": 3, "stochastic": 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return three_launches(tmp_path_factory, "fsdp", SAME_WORLD, RESIZE, "--pretend-fsdp")
+    return three_launches(tmp_path_factory, "fsdp", SAME_WORLD, RESIZE, "--pretend-fsdp", timeout=600)
 
 
 def _optimizer_format(folder) -> str:

@@ -39,7 +39,7 @@ def _scenarios(table: dict, **extra) -> list[dict]:
 
 
 def three_launches(
-    tmp_path_factory, prefix: str, same_world: dict, resize: dict, *args: str, extra_resumed=()
+    tmp_path_factory, prefix: str, same_world: dict, resize: dict, *args: str, extra_resumed=(), timeout=900
 ) -> dict:
     """The three launches: references + checkpoints (2 ranks), 2 -> 1 resume (1 rank), then
     every same-world resume and the 1 -> 2 resume (2 ranks). `args` go to every launch."""
@@ -52,7 +52,7 @@ def three_launches(
     def launch(phase: str, todo: list[dict], out, nproc: int = 2) -> list[dict]:
         return run_workers(
             "resume.py", "--phase", phase, "--scenarios", json.dumps(todo), *common,
-            nproc=nproc, out_dir=out, timeout=900,
+            nproc=nproc, out_dir=out, timeout=timeout,
         )  # fmt: skip
 
     reference = launch("reference", scenarios, ref)
