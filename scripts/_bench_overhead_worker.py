@@ -12,15 +12,21 @@ Only tensors with more than one element count: scalar all-reduces are grad-norm 
 bookkeeping. DDP reduces in C++, so there a counting comm hook (the default all-reduce hook
 plus a counter) is registered on both DDP models. A "reduction pass" is a micro-step that
 issued at least one gradient reduction (a bucketed reduction is many calls, one pass).
+
+With --profile, after the timed steps the ds_engine trainer runs as many optimizer steps
+again under cProfile (every rank), and the result gives the share of that profiled time spent
+in ds_engine's own Python code (self time of the functions in the `ds_engine` package).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import gc
 import json
 import os
+import pstats
 import statistics
 import time
 import warnings
@@ -101,8 +107,9 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def make_dataset(args: argparse.Namespace, world: int) -> TensorDataset:
-    """Exactly one epoch of data for warm-up + timed steps (every window is full)."""
-    num = (args.warmup + args.steps) * args.ga * args.micro_batch * world
+    """Exactly one epoch of data for warm-up + timed (+ profiled) steps (every window is full)."""
+    windows = args.warmup + args.steps + (args.steps if args.profile else 0)
+    num = windows * args.ga * args.micro_batch * world
     ids = torch.randint(0, args.vocab, (num, args.seq), generator=torch.Generator().manual_seed(99))
     return TensorDataset(ids, ids.clone())
 
@@ -281,6 +288,47 @@ class DsEngine(Trainer):
             ds.destroy()
 
 
+# ---------------------------------------------------------------------------- profile
+def profile_share(trainer: Trainer, steps: int) -> dict[str, Any]:
+    """Run `steps` more optimizer steps under cProfile; ds_engine's share of the profiled time.
+
+    "own" is the self time of the functions defined in the `ds_engine` package; "direct" adds
+    the builtins (C functions, torch ops among them) that those functions call directly. Both
+    are shares of the total self time under the profiler, which slows Python-heavy code such
+    as ds_engine's more than torch's C++: they overstate rather than understate its cost.
+    """
+    import ds_engine
+
+    package = os.path.dirname(ds_engine.__file__) + os.sep
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        dist.barrier()
+        profiler.enable()
+        try:
+            trainer.run_window()
+        finally:
+            profiler.disable()
+    stats: dict[Any, Any] = pstats.Stats(profiler).stats
+    total = own = direct = 0.0
+    functions: dict[str, float] = {}
+    for (filename, line, name), (_cc, _nc, tt, _ct, callers) in stats.items():
+        total += tt
+        if filename.startswith(package):
+            own += tt
+            functions[f"{filename[len(package) :]}:{line}({name})"] = tt
+        elif filename == "~":  # a builtin: count the part of its time called from ds_engine
+            direct += sum(c[2] for caller, c in callers.items() if caller[0].startswith(package))
+    top = sorted(functions.items(), key=lambda kv: -kv[1])[:3]
+    return {
+        "steps": steps,
+        "total_s": total,
+        "own_s": own,
+        "own_share": own / total if total else 0.0,
+        "direct_share": (own + direct) / total if total else 0.0,
+        "top": top,
+    }
+
+
 # ---------------------------------------------------------------------------- one setting
 def build_pair(setting: str, args: argparse.Namespace) -> tuple[Trainer, Trainer]:
     if setting == "accelerate":
@@ -353,6 +401,10 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
     pairs = zip(result["ds_engine"]["step_times"], result["baseline"]["step_times"])
     result["paired_ratio"] = statistics.median(o / b for o, b in pairs)
     result["cpu_ratio"] = result["ds_engine"]["cpu_median"] / result["baseline"]["cpu_median"]
+    if args.profile and isinstance(ours, DsEngine):
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, profile_share(ours, args.steps))
+        result["profile"] = max(per_rank, key=lambda p: p["own_share"])  # the rank with the largest share
     base.close()
     ours.close()
     del base, ours
@@ -375,6 +427,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--profile", action="store_true", help="profile ds_engine's steps (see docstring)")
     args = parser.parse_args()
 
     # torch deprecates the reduce-scatter / all-gather names DeepSpeed calls, warning on every

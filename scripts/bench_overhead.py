@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_overhead.py --steps 20           # more timed steps, less noise
     .venv/bin/python scripts/bench_overhead.py --settings zero3,accelerate
     .venv/bin/python scripts/bench_overhead.py --settings zero0-null,zero0   # noise floor first
+    .venv/bin/python scripts/bench_overhead.py --settings zero0,zero3,accelerate --profile
 
 One invocation launches `scripts/_bench_overhead_worker.py` with torchrun on 2 ranks (gloo,
 `GLOO_SOCKET_IFNAME=lo`, `OMP_NUM_THREADS=1`). For every setting it trains a GPT-2 built
@@ -26,6 +27,13 @@ through a comm hook). "loss diff" is the largest relative difference between the
 per-step mean losses: it shows that both trained the same thing. Target: ratio <= 1.02.
 On shared cores the noise floor is several percent: `zero0-null` (raw DeepSpeed against
 itself) measured 0.95 and 1.06 in two runs at load 6-9, so compare any ratio with it.
+
+--profile: after its timed steps, the ds_engine trainer of each setting runs as many optimizer
+steps again under cProfile (on every rank; the table's timings are not profiled), and a second
+table gives the share of that time spent in ds_engine's own Python code (the self time of the
+functions in the `ds_engine` package; the rank with the largest share), and that share with
+the builtins those functions call directly. cProfile slows Python code more than torch's C++,
+so these shares overstate rather than understate ds_engine's cost.
 """
 
 from __future__ import annotations
@@ -50,7 +58,13 @@ TARGET = 1.02
 
 
 def run_benchmark(
-    *, settings: list[str], steps: int, warmup: int, model: dict[str, int], timeout: float = 1200
+    *,
+    settings: list[str],
+    steps: int,
+    warmup: int,
+    model: dict[str, int],
+    profile: bool = False,
+    timeout: float = 1200,
 ) -> dict[str, Any]:
     """Launch the 2-rank worker and return its result (``{"info": ..., "results": [...]}``)."""
     out = Path(tempfile.mkdtemp(prefix="ds_engine_bench_"))
@@ -74,6 +88,8 @@ def run_benchmark(
     ]
     for key, value in model.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if profile:
+        cmd.append("--profile")
     proc = run_command(cmd, timeout=timeout, env=worker_env())
     result_file = out / "result.json"
     if proc.returncode != 0 or not result_file.exists():
@@ -112,6 +128,36 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_profile(result: dict[str, Any]) -> str:
+    """ds_engine's share of its profiled steps, one row per setting that ran ds_engine."""
+    rows = [r for r in result["results"] if "profile" in r]
+    if not rows:
+        return "profile: no setting ran ds_engine"
+    header = (
+        f"{'setting':<15} | {'profiled s/step':>15} | {'ds_engine own code':>18} | "
+        f"{'+ builtins it calls':>19} | largest ds_engine self times per step"
+    )
+    lines = [
+        f"profile: cProfile over {rows[0]['profile']['steps']} more ds_engine optimizer steps per setting "
+        "(after the timed ones; the rank with the largest share)",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for r in rows:
+        p = r["profile"]
+        top = ", ".join(f"{name} {seconds / p['steps'] * 1e3:.2f} ms" for name, seconds in p["top"])
+        lines.append(
+            f"{r['setting']:<15} | {p['total_s'] / p['steps']:>15.3f} | {p['own_share']:>18.3%} | "
+            f"{p['direct_share']:>19.3%} | {top}"
+        )
+    lines += [
+        "",
+        "own code: self time of the functions in the ds_engine package / all self time under the profiler.",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
@@ -127,6 +173,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print ds_engine's own share of its step time (cProfile over --steps more steps)",
+    )
     args = parser.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in (*SETTINGS, NULL_SETTING)]
@@ -143,10 +194,14 @@ def main() -> int:
         "seq": args.seq,
         "micro_batch": args.micro_batch,
     }
-    result = run_benchmark(settings=settings, steps=args.steps, warmup=args.warmup, model=model)
+    result = run_benchmark(
+        settings=settings, steps=args.steps, warmup=args.warmup, model=model, profile=args.profile
+    )
     print(format_table(result))
     slower = [r["setting"] for r in result["results"] if r["ratio"] > TARGET]
     print(f"\ntarget: ratio <= {TARGET}; above it: {', '.join(slower) if slower else 'none'}")
+    if args.profile:
+        print("\n" + format_profile(result))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

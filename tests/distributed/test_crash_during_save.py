@@ -11,9 +11,12 @@ in this process and without a process group, checks what is on disk:
 
 * `latest` names a complete tag (`resolve_checkpoint`: metadata, engine state, no truncated
   file) that is not older than the last save that returned; every visible tag is complete;
-* every `save_pretrained` folder under its final name loads with plain `from_pretrained` and
-  holds exactly the weights of one save that was started (a complete one); hidden temporary
-  folders may remain.
+* no `save_pretrained` folder vanished: every folder that was on disk before the kill, or
+  whose save returned, is still there under its final name (a replacement swaps the old
+  folder out atomically);
+* every `save_pretrained` folder under its final name is complete -- all its files are there,
+  it loads with plain `from_pretrained` and holds exactly the weights of one save that was
+  started; hidden temporary folders may remain.
 
 The next trial's fresh group then loads `latest` and trains on: restored counters match the
 tag, the loss is finite. The last trial only reloads. Per backend, trials go on until
@@ -153,6 +156,21 @@ def _check_checkpoints(control: Path) -> str | None:
     return tag
 
 
+def _pretrained_folders(control: Path) -> set[str]:
+    """The `save_pretrained` folders under their final names (hidden temporaries excluded)."""
+    return {p.name for p in (control / "pretrained").glob("model_*") if p.is_dir()}
+
+
+def _check_none_vanished(control: Path, expected: set[str], trial: int, last: str) -> None:
+    """Every folder in `expected` (on disk before the kill, or its save returned) is still there."""
+    vanished = sorted(expected - _pretrained_folders(control))
+    hidden = sorted(p.name for p in (control / "pretrained").glob(".*"))
+    assert not vanished, (
+        f"save_pretrained folder(s) {vanished} vanished after the kill in trial {trial} "
+        f"(last event before it: {last!r}); hidden entries left in {control / 'pretrained'}: {hidden}"
+    )
+
+
 def _check_pretrained(control: Path) -> int:
     from safetensors.torch import load_file
     from transformers import BertForSequenceClassification
@@ -165,16 +183,32 @@ def _check_pretrained(control: Path) -> int:
         p for p in (control / "pretrained").glob("*") if p.is_dir() and not p.name.startswith(".")
     )
     for folder in folders:
-        state = {}
-        for shard in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(shard))
-        if (folder / "model.safetensors.index.json").exists():
+        files = {p.name for p in folder.iterdir()}
+        shards = {name for name in files if name.endswith(".safetensors")}
+        assert "config.json" in files, f"{folder}: incomplete, no config.json ({sorted(files)})"
+        if "model.safetensors.index.json" in files:
             index = json.loads((folder / "model.safetensors.index.json").read_text())
-            assert set(index["weight_map"]) == set(state), f"{folder}: shards missing"
+            listed = set(index["weight_map"].values())
+            assert listed == shards, (
+                f"{folder}: incomplete, index lists {sorted(listed)}, holds {sorted(shards)}"
+            )
+        else:
+            assert shards == {"model.safetensors"}, f"{folder}: incomplete, weights {sorted(shards)}"
+        state = {}
+        for shard in sorted(shards):
+            try:
+                state.update(load_file(folder / shard))
+            except Exception as error:
+                raise AssertionError(f"{folder}: {shard} does not load: {error}") from error
+        if "model.safetensors.index.json" in files:
+            assert set(index["weight_map"]) == set(state), f"{folder}: tensors missing from its shards"
         total = sum(float(t.double().abs().sum()) for t in state.values())
         fp = f"{total:.6e}:{len(state)}"
         assert fp in started.get(folder.name, set()), f"{folder} holds weights no save started: {fp}"
-        _model, info = BertForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+        try:
+            _model, info = BertForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+        except Exception as error:
+            raise AssertionError(f"{folder}: from_pretrained fails: {error}") from error
         assert not info["missing_keys"] and not info["unexpected_keys"], (folder, info)
     return len(folders)
 
@@ -191,7 +225,7 @@ def _run_trials(tmp_path: Path, backend: str) -> dict[str, int]:
     rng = random.Random(f"crash-{backend}")
     inside = {"ckpt": 0, "pretrained": 0}
     events: list[str] = []
-    vanished: list[str] = []
+    on_disk: set[str] = set()  # save_pretrained folders seen complete after the previous kill
     expected_latest: str | None = None
     trial = 0
     try:
@@ -213,16 +247,16 @@ def _run_trials(tmp_path: Path, backend: str) -> dict[str, int]:
                     assert group.wait_for(f"exit_{trial}_rank{r}").read_text() == "0", group.tail()
                 break
             kind = "ckpt" if inside["ckpt"] <= inside["pretrained"] else "pretrained"
-            before = {p.name for p in (tmp_path / "pretrained").glob("model_*")}
             last = _kill_during(group, trial, kind, since, rng)
-            # a replaced folder can vanish when the kill falls between `_publish`'s two renames
-            # (its previous version is then only in the hidden `.<name>.old-<pid>`): reported
-            vanished += sorted(before - {p.name for p in (tmp_path / "pretrained").glob("model_*")})
             events.append(last)
             if last.startswith(f"{kind}-start"):  # killed inside the save (it never returned)
                 inside[kind] += 1
             expected_latest = _check_checkpoints(tmp_path)
+            # a folder replaced by a later save must never be missing, whenever the kill fell
+            returned = {e[3] for e in _progress(tmp_path) if e[1] == "pretrained-done"}
+            _check_none_vanished(tmp_path, on_disk | returned, trial, last)
             _check_pretrained(tmp_path)
+            on_disk = _pretrained_folders(tmp_path)
             trial += 1
     finally:
         group.close()

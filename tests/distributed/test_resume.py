@@ -12,9 +12,12 @@ import json
 
 import pytest
 
+from ds_engine._imports import is_deepspeed_available
 from tests.distributed.launcher import run_workers
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+# The DeepSpeed scenarios' tests are marked `deepspeed` one by one; the fallback's run in both
+# environments (where DeepSpeed is not installed, only the fallback's scenarios are launched).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NOISE = {"stochastic": True}  # python + numpy noise drawn per rank
 SAME_WORLD = {
@@ -35,7 +38,17 @@ RESIZE = {
 
 
 def _scenarios(table: dict, **extra) -> list[dict]:
-    return [{"name": name, **spec, **extra} for name, spec in table.items()]
+    runnable = {"accelerate", "deepspeed"} if is_deepspeed_available() else {"accelerate"}
+    return [{"name": name, **spec, **extra} for name, spec in table.items() if spec["backend"] in runnable]
+
+
+def _names(table: dict, skip: tuple[str, ...] = ()) -> list:
+    """`table`'s scenario names as test parameters, those on DeepSpeed marked `deepspeed`."""
+    return [
+        pytest.param(name, marks=pytest.mark.deepspeed) if spec["backend"] == "deepspeed" else name
+        for name, spec in table.items()
+        if name not in skip
+    ]
 
 
 def three_launches(
@@ -77,7 +90,7 @@ def _check_resumed(reference: dict, resumed: dict) -> None:
     assert resumed["lrs"] == reference["lrs"][4:]
 
 
-@pytest.mark.parametrize("name", [n for n in SAME_WORLD if n != "fallback_dropout"])
+@pytest.mark.parametrize("name", _names(SAME_WORLD, skip=("fallback_dropout",)))
 def test_resume_equals_uninterrupted_run_exactly(runs, name):
     reference = runs["reference"][0][f"reference:{name}"]
     resumed = runs["double"][0][f"resume:{name}"]
@@ -99,7 +112,7 @@ def test_resume_with_dropout_equals_uninterrupted_run_exactly(runs):
     assert resumed["bitwise_equal"], resumed["max_abs_diff"]
 
 
-@pytest.mark.parametrize("name", list(RESIZE))
+@pytest.mark.parametrize("name", _names(RESIZE))
 def test_resume_two_ranks_on_one(runs, name):
     reference = runs["reference"][0][f"reference:{name}"]
     (resumed,) = (r[f"resume:{name}"] for r in runs["single"])
@@ -109,7 +122,7 @@ def test_resume_two_ranks_on_one(runs, name):
         assert any("through DeepSpeed's universal checkpoint" in w for w in resumed["warnings"])
 
 
-@pytest.mark.parametrize("name", list(RESIZE))
+@pytest.mark.parametrize("name", _names(RESIZE))
 def test_resume_one_rank_on_two(runs, name):
     reference = runs["reference"][0][f"reference:{name}"]
     assert runs["single"][0][f"save:{name}"]["saved_counters"] == [4, 16]  # GA=4 on one rank

@@ -18,7 +18,9 @@ from ds_engine.data import (
     write_sentiment_data,
 )
 
-REAL = Path("/work/shared/data/sentiment")
+#: the project root (the folder holding pyproject.toml); the shared sentences lie beside it
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+REAL = ROOT.parent / "shared" / "data" / "sentiment"
 
 
 def _tokens(sentence: str) -> set[str]:
