@@ -58,7 +58,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 def _run_config(args: argparse.Namespace) -> int:
     import contextlib
 
-    from ds_engine.config import EngineConfig, load_json_config
+    from ds_engine.config import ConfigError, EngineConfig, load_json_config
     from ds_engine.ds_config import build_ds_config, validate_ds_config
 
     # DeepSpeed logs to stdout when imported (for its config models): keep stdout pure JSON/report.
@@ -68,13 +68,19 @@ def _run_config(args: argparse.Namespace) -> int:
         else:
             names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
             choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-            ds = build_ds_config(
-                EngineConfig.from_dict(choices),
-                world_size=args.world_size if args.world_size is not None else 1,
-                base=args.base,
-                micro_batch_size=args.micro_batch_size,
-                hidden_size=args.hidden_size,
-            )
+            try:
+                ds = build_ds_config(
+                    EngineConfig.from_dict(choices),
+                    world_size=args.world_size if args.world_size is not None else 1,
+                    base=args.base,
+                    micro_batch_size=args.micro_batch_size,
+                    hidden_size=args.hidden_size,
+                )
+            except ConfigError as exc:  # every problem, still on the one error line
+                if len(exc.problems) < 2:
+                    raise
+                listed = " ".join(f"[{i}] {p}" for i, p in enumerate(exc.problems, start=1))
+                raise CLIError(f"{len(exc.problems)} configuration problems: {listed}") from None
     if args.validate is None:
         print(json.dumps(ds, indent=2))
         return 0

@@ -13,6 +13,7 @@ import difflib
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,83 @@ AUTO = "auto"
 
 
 class ConfigError(ValueError):
-    """A configuration mistake: names the key, the value, what is allowed, and one fix (`HINT:`)."""
+    """Configuration mistakes: each names the key, the value, what is allowed, and one fix (`HINT:`).
+
+    One error carries every problem that could be seen at once (`problems`); its message is
+    the single problem, or a header with their count followed by one problem per line.
+
+    Args:
+        *problems: One message per problem, each in the shape above.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        self.problems: tuple[str, ...] = tuple(str(p) for p in problems)
+        super().__init__(_format_problems(self.problems))
+
+
+def _format_problems(problems: tuple[str, ...]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} configuration problems:\n  - " + "\n  - ".join(problems)
+
+
+_KEY = re.compile(r"`([^`]+)`")
+
+#: DeepSpeed JSON keys that carry the same setting as an `EngineConfig` field (for de-duplication).
+_SAME_SETTING = {
+    "zero_optimization.offload_param.device": "offload_params",
+    "zero_optimization.offload_optimizer.device": "offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "nvme_path",
+    "zero_optimization.offload_param.nvme_path": "nvme_path",
+    "zero_optimization.stage": "zero_stage",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+}
+
+
+def _problem_key(problem: str) -> str | None:
+    match = _KEY.search(problem)
+    if match is None:
+        return None
+    key = match.group(1)
+    return _SAME_SETTING.get(key, key)
+
+
+def is_unknown_key_problem(problem: str) -> bool:
+    """True for a problem that reports a misspelt or unknown key (these are listed first)."""
+    return " is not a known " in problem
+
+
+def merge_problems(*groups: Any) -> list[str]:
+    """Every problem of `groups` once: unknown keys first, then the rest in the given order.
+
+    A problem about a key (its first `backticked` name, with DeepSpeed keys mapped to the
+    `EngineConfig` field they carry) that an earlier problem already reported is dropped, so
+    the same mistake seen by two checks is reported once.
+
+    Args:
+        *groups: Iterables of problem messages, most specific check first.
+    """
+    flat = [str(p) for group in groups for p in group]
+    ordered = [p for p in flat if is_unknown_key_problem(p)] + [
+        p for p in flat if not is_unknown_key_problem(p)
+    ]
+    seen_keys: set[str] = set()
+    out: list[str] = []
+    for problem in ordered:
+        key = _problem_key(problem)
+        if problem in out or (key is not None and key in seen_keys):
+            continue
+        out.append(problem)
+        if key is not None:
+            seen_keys.add(key)
+    return out
+
+
+def raise_problems(*groups: Any) -> None:
+    """Raise one `ConfigError` with every problem of `groups` (see `merge_problems`), if any."""
+    problems = merge_problems(*groups)
+    if problems:
+        raise ConfigError(*problems)
 
 
 def _fmt(value: Any) -> str:
@@ -64,11 +141,22 @@ def _int_check(lo: int, hi: int | None = None, *, auto: bool = False) -> Callabl
     return check
 
 
-def _float_check(lo: float, *, strict: bool = False) -> Callable[[Any], str | None]:
-    allowed = f"a finite number {'>' if strict else '>='} {lo:g}"
+def _float_check(lo: float) -> Callable[[Any], str | None]:
+    allowed = f"a finite number >= {lo:g}"
 
     def check(v: Any) -> str | None:
-        if not _is_number(v) or v < lo or (strict and v == lo):
+        if not _is_number(v) or v < lo:
+            return allowed
+        return None
+
+    return check
+
+
+def _whole_check(lo: int) -> Callable[[Any], str | None]:
+    allowed = f"a whole number >= {lo} (DeepSpeed reads it as an integer)"
+
+    def check(v: Any) -> str | None:
+        if not _is_number(v) or v < lo or not float(v).is_integer():
             return allowed
         return None
 
@@ -114,7 +202,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "initial_scale_power": _int_check(0, 64),
     "loss_scale_window": _int_check(1),
     "hysteresis": _int_check(1),
-    "min_loss_scale": _float_check(0.0, strict=True),
+    "min_loss_scale": _whole_check(1),
     "bf16_check_grad_overflow": _bool_check,
     "overlap_comm": _bool_check,
     "contiguous_gradients": _bool_check,
@@ -159,6 +247,9 @@ def check_field(name: str, value: Any, *, key: str | None = None, where: str = "
     if name in _FLOAT_FIELDS:
         return float(value)
     if name in ("optimizer", "scheduler") and value is not None:
+        from ds_engine.ds_config import block_problems  # DeepSpeed's optimizers and schedulers
+
+        raise_problems(block_problems(name, value))
         return json.loads(json.dumps(dict(value)))  # a private, JSON-clean copy
     return value
 
@@ -201,7 +292,7 @@ class EngineConfig:
     hysteresis: int = 2
     """fp16 dynamic loss scaling: overflows tolerated before the scale is lowered."""
     min_loss_scale: float = 1.0
-    """fp16 dynamic loss scaling never goes below this scale."""
+    """fp16 dynamic loss scaling never goes below this scale (a whole number >= 1)."""
     bf16_check_grad_overflow: bool = True
     """bf16: skip optimizer steps with inf/nan gradients (DeepSpeed `bf16.check_grad_overflow`)."""
 
@@ -252,9 +343,14 @@ class EngineConfig:
     """Internal: fields passed explicitly (see `explicit_fields`); never pass it yourself."""
 
     def __post_init__(self) -> None:
+        problems: list[str] = []
         for f in dataclasses.fields(self):
             if f.name in _CHECKS:
-                setattr(self, f.name, check_field(f.name, getattr(self, f.name)))
+                try:
+                    setattr(self, f.name, check_field(f.name, getattr(self, f.name)))
+                except ConfigError as exc:
+                    problems += exc.problems
+        raise_problems(problems)
 
     @property
     def explicit_fields(self) -> frozenset[str]:
@@ -302,9 +398,18 @@ def _init(self: EngineConfig, **kwargs: Any) -> None:
     # `_explicit` (a _Snapshot carrying the old values): there, a field counts as explicit if it
     # was explicit before or its value changed.
     names = EngineConfig.field_names()
-    for key in kwargs:
-        if key not in names and key != "_explicit":
-            raise _unknown_key_error(key, names, "EngineConfig field")
+    unknown = [
+        _unknown_key_error(key, names, "EngineConfig field")
+        for key in kwargs
+        if key not in names and key != "_explicit"
+    ]
+    if unknown:  # report the misspelt names together with every bad value among the others
+        known = {k: v for k, v in kwargs.items() if k in names}
+        try:
+            _generated_init(self, **known)
+        except ConfigError as exc:
+            raise ConfigError(*merge_problems([str(e) for e in unknown], exc.problems)) from None
+        raise ConfigError(*[str(e) for e in unknown])
     prior = kwargs.get("_explicit")
     _generated_init(self, **kwargs)
     given = {k for k in kwargs if k != "_explicit"}
@@ -335,9 +440,21 @@ _DEFAULTS: dict[str, Any] = {
 
 
 # --------------------------------------------------------------------------- combinations
-def _combination_problems(cfg: EngineConfig) -> list[tuple[frozenset[str], str]]:
-    """Cross-field rules as (fields involved, message); DeepSpeed 0.19 support is the reference."""
+def _combination_problems(
+    cfg: EngineConfig, shown: Mapping[str, str] | None = None
+) -> list[tuple[frozenset[str], str]]:
+    """Cross-field rules as (fields involved, message); DeepSpeed 0.19 support is the reference.
+
+    Args:
+        cfg: The choices to check.
+        shown: Field -> the DeepSpeed JSON key its value came from, so a message names the key
+            the user wrote (fields not in it are named as themselves).
+    """
     out: list[tuple[frozenset[str], str]] = []
+    names = dict(shown or {})
+
+    def k(field: str) -> str:
+        return names.get(field, field)
 
     def problem(fields: set[str], *parts: str) -> None:
         out.append((frozenset(fields), "".join(parts)))
@@ -346,33 +463,36 @@ def _combination_problems(cfg: EngineConfig) -> list[tuple[frozenset[str], str]]
     if cfg.offload_params != "none" and stage != 3:
         problem(
             {"offload_params", "zero_stage"},
-            f"`offload_params` = {_fmt(cfg.offload_params)} needs ZeRO stage 3, got `zero_stage` = {stage}: "
-            'only ZeRO-3 partitions parameters. HINT: set zero_stage=3 or offload_params="none"',
+            f"`{k('offload_params')}` = {_fmt(cfg.offload_params)} needs ZeRO stage 3, got "
+            f"`{k('zero_stage')}` = {stage}: only ZeRO-3 partitions parameters. "
+            'HINT: set zero_stage=3 or offload_params="none"',
         )
     if cfg.offload_optimizer != "none" and stage == 0:
         problem(
             {"offload_optimizer", "zero_stage"},
-            f"`offload_optimizer` = {_fmt(cfg.offload_optimizer)} needs ZeRO stage 1-3, got `zero_stage` = 0 "
-            "(DeepSpeed ignores offload without ZeRO). HINT: set zero_stage=1, 2 or 3",
+            f"`{k('offload_optimizer')}` = {_fmt(cfg.offload_optimizer)} needs ZeRO stage 1-3, got "
+            f"`{k('zero_stage')}` = 0 (DeepSpeed ignores offload without ZeRO). "
+            "HINT: set zero_stage=1, 2 or 3",
         )
     if cfg.offload_optimizer == "nvme" and stage in (1, 2):
         problem(
             {"offload_optimizer", "zero_stage"},
-            f'`offload_optimizer` = "nvme" needs ZeRO stage 3 (ZeRO-Infinity), got `zero_stage` = {stage}: '
-            "DeepSpeed's stage 1/2 optimizer can only offload to cpu. "
+            f'`{k("offload_optimizer")}` = "nvme" needs ZeRO stage 3 (ZeRO-Infinity), got '
+            f"`{k('zero_stage')}` = {stage}: DeepSpeed's stage 1/2 optimizer can only offload to cpu. "
             'HINT: set offload_optimizer="cpu" or zero_stage=3',
         )
     for name in ("offload_optimizer", "offload_params"):
         if getattr(cfg, name) == "nvme" and not cfg.nvme_path:
             problem(
                 {name, "nvme_path"},
-                f'`nvme_path` is required when `{name}` = "nvme" (allowed: a folder on a fast local '
+                f'`nvme_path` is required when `{k(name)}` = "nvme" (allowed: a folder on a fast local '
                 'NVMe drive). HINT: pass nvme_path="/local_nvme/ds_swap"',
             )
     if cfg.activation_checkpointing_cpu and not cfg.activation_checkpointing_partition:
         problem(
             {"activation_checkpointing_cpu", "activation_checkpointing_partition"},
-            "`activation_checkpointing_cpu` = true needs `activation_checkpointing_partition` = true "
+            f"`{k('activation_checkpointing_cpu')}` = true needs "
+            f"`{k('activation_checkpointing_partition')}` = true "
             "(DeepSpeed moves only partitioned activations to CPU). "
             "HINT: set activation_checkpointing_partition=True",
         )
@@ -380,7 +500,7 @@ def _combination_problems(cfg: EngineConfig) -> list[tuple[frozenset[str], str]]
         if getattr(cfg, name) and not cfg.activation_checkpointing:
             problem(
                 {name, "activation_checkpointing"},
-                f"`{name}` = true has no effect while `activation_checkpointing` = false. "
+                f"`{k(name)}` = true has no effect while `activation_checkpointing` = false. "
                 "HINT: set activation_checkpointing=True",
             )
     if stage != 3:
@@ -389,7 +509,7 @@ def _combination_problems(cfg: EngineConfig) -> list[tuple[frozenset[str], str]]
                 problem(
                     {name, "zero_stage"},
                     f"`{name}` = {_fmt(getattr(cfg, name))} applies only to ZeRO stage 3, got "
-                    f"`zero_stage` = {stage}. HINT: drop `{name}` or set zero_stage=3",
+                    f"`{k('zero_stage')}` = {stage}. HINT: drop `{name}` or set zero_stage=3",
                 )
     if cfg.precision != "fp16":
         for name in _FP16_FIELDS:
@@ -412,14 +532,17 @@ _FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hyste
 
 
 def _check_combinations(
-    cfg: EngineConfig, *, only_explicit: bool, defer: frozenset[str] = frozenset()
+    cfg: EngineConfig,
+    *,
+    only_explicit: bool,
+    defer: frozenset[str] = frozenset(),
+    shown: Mapping[str, str] | None = None,
 ) -> None:
-    problems = [p for p in _combination_problems(cfg) if not p[0] & defer]
+    problems = [p for p in _combination_problems(cfg, shown) if not p[0] & defer]
     if only_explicit:
         # A field left at its default may still be filled by a base JSON: defer those rules.
         problems = [p for p in problems if p[0] <= cfg.explicit_fields]
-    if problems:
-        raise ConfigError(" | ".join(msg for _, msg in problems))
+    raise_problems(msg for _, msg in problems)
 
 
 # --------------------------------------------------------------------------- JSON loading
@@ -536,27 +659,33 @@ def _pin_memory_from_base(base: Mapping[str, Any]) -> tuple[str, Any]:
     return "", _MISSING
 
 
-def _precision_from_base(base: Mapping[str, Any], where: str) -> tuple[str, Any]:
+def _precision_from_base(base: Mapping[str, Any], where: str, problems: list[str]) -> tuple[str, Any]:
     enabled = {}
     for block in ("fp16", "bf16", "bfloat16"):
         value = _get(base, f"{block}.enabled")
         if value is _MISSING or value == AUTO:
             continue
         if not isinstance(value, bool):
-            raise config_error(
-                f"{block}.enabled",
-                value,
-                'expected true, false or "auto"',
-                f'set "{block}": {{"enabled": true}} or false',
-                where=where,
+            problems.append(
+                str(
+                    config_error(
+                        f"{block}.enabled",
+                        value,
+                        'expected true, false or "auto"',
+                        f'set "{block}": {{"enabled": true}} or false',
+                        where=where,
+                    )
+                )
             )
+            continue
         enabled[block] = value
     on = [b for b, v in enabled.items() if v]
     if len(on) > 1:
-        raise ConfigError(
+        problems.append(
             f"`fp16.enabled` and `bf16.enabled` are both true{f' (in {where})' if where else ''}: allowed is "
             "at most one half precision. HINT: keep one of them and set the other to false"
         )
+        return "", _MISSING
     if on:
         return f"{on[0]}.enabled", "fp16" if on[0] == "fp16" else "bf16"
     if enabled:  # every present block says false
@@ -564,13 +693,32 @@ def _precision_from_base(base: Mapping[str, Any], where: str) -> tuple[str, Any]
     return "", _MISSING
 
 
-def base_values(base: Mapping[str, Any], *, where: str = "") -> dict[str, tuple[str, Any]]:
+def base_values(
+    base: Mapping[str, Any], *, where: str = "", problems: list[str] | None = None
+) -> dict[str, tuple[str, Any]]:
     """The `EngineConfig` values a DeepSpeed JSON sets: field -> (dotted key, validated value).
 
     "auto" values are left out (the high-level choice fills them), except for fields that
     accept "auto" themselves (micro batch and bucket sizes).
+
+    Args:
+        base: The loaded DeepSpeed JSON.
+        where: Its file name, for messages.
+        problems: Where to append a message for every invalid value (those fields are left
+            out of the result); without it the first invalid value raises.
+
+    Raises:
+        ConfigError: An invalid value, when `problems` is None (all of them, in one error).
     """
+    collected: list[str] = []
     found: dict[str, tuple[str, Any]] = {}
+
+    def take(name: str, key: str, value: Any) -> None:
+        try:
+            found[name] = (key, check_field(name, value, key=key, where=where))
+        except ConfigError as exc:
+            collected.extend(exc.problems)
+
     for name, keys in BASE_KEYS.items():
         for key in keys:
             value = _get(base, key)
@@ -580,21 +728,36 @@ def base_values(base: Mapping[str, Any], *, where: str = "") -> dict[str, tuple[
                 break  # "auto" for a field that cannot be auto: filled by the choice
             if name == "steps_per_print" and _is_int(value) and value >= STEPS_PER_PRINT_OFF:
                 value = 0
-            found[name] = (key, check_field(name, value, key=key, where=where))
+            take(name, key, value)
             break
-    key, prec = _precision_from_base(base, where)
+    key, prec = _precision_from_base(base, where, collected)
     if prec is not _MISSING:
         found["precision"] = (key, prec)
     key, path = _nvme_path_from_base(base)
     if path is not _MISSING:
-        found["nvme_path"] = (key, check_field("nvme_path", path, key=key, where=where))
+        take("nvme_path", key, path)
     key, pin = _pin_memory_from_base(base)
     if pin is not _MISSING:
-        found["pin_memory"] = (key, check_field("pin_memory", pin, key=key, where=where))
+        take("pin_memory", key, pin)
     ac = _get(base, "activation_checkpointing")
     if isinstance(ac, Mapping):
         found["activation_checkpointing"] = ("activation_checkpointing", True)
+    if problems is None:
+        raise_problems(collected)
+    else:
+        problems.extend(collected)
     return found
+
+
+def _fields_of_bad_base_values(base: Mapping[str, Any], problems: list[str]) -> frozenset[str]:
+    """The `EngineConfig` fields whose base keys are named in `problems` (their rules wait)."""
+    named = {_KEY.search(p).group(1) for p in problems if _KEY.search(p)}  # type: ignore[union-attr]
+    fields = {name for name, keys in BASE_KEYS.items() if named & set(keys)}
+    if named & {"fp16.enabled", "bf16.enabled", "bfloat16.enabled"}:
+        fields.add("precision")
+    if any(k.endswith(".nvme_path") for k in named):
+        fields.add("nvme_path")
+    return frozenset(fields)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -628,14 +791,18 @@ def resolve_engine_config(
         rule checked.
 
     Raises:
-        ConfigError: Conflicts (all of them, with both values), or an invalid base value or
-            combination.
+        ConfigError: Every conflict (with both values), invalid base value and impossible
+            combination, in one error.
     """
     values = {n: getattr(config, n) for n in EngineConfig.field_names()}
     explicit = config.explicit_fields
+    problems: list[str] = []
+    bad_fields: frozenset[str] = frozenset()
+    from_base: dict[str, str] = {}  # field -> the JSON key its value came from
     if base:
         conflicts = []
-        for name, (key, value) in base_values(base, where=where).items():
+        invalid: list[str] = []
+        for name, (key, value) in base_values(base, where=where, problems=invalid).items():
             if value == AUTO:
                 continue
             if name in explicit:
@@ -645,12 +812,20 @@ def resolve_engine_config(
                     )
             else:
                 values[name] = value
+                if name != "precision":  # its key holds a flag, not the precision itself
+                    from_base[name] = key
         if conflicts:
             src = f" ({where})" if where else ""
-            raise ConfigError(
+            problems.append(
                 f"the DeepSpeed base config{src} contradicts explicit choices: {'; '.join(conflicts)}. "
                 'HINT: remove those keys from the base (or set them to "auto"), or drop the explicit choices'
             )
+        problems += invalid
+        bad_fields = _fields_of_bad_base_values(base, invalid)
     resolved = EngineConfig(**values, _explicit=frozenset(explicit))
-    _check_combinations(resolved, only_explicit=False, defer=defer)
+    try:
+        _check_combinations(resolved, only_explicit=False, defer=defer | bad_fields, shown=from_base)
+    except ConfigError as exc:
+        problems += exc.problems
+    raise_problems(problems)
     return resolved

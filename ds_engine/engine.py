@@ -91,37 +91,15 @@ class Engine:
     ) -> None:
         if config is None and os.environ.get(CONFIG_ENV):
             config = os.environ[CONFIG_ENV]
-        base: dict[str, Any] | None = None
-        if isinstance(config, EngineConfig):
-            if choices:
-                merged = {name: getattr(config, name) for name in config.explicit_fields}
-                merged.update(choices)
-                config = EngineConfig.from_kwargs(**merged)
-            user_config = config
-        elif config is None or isinstance(config, (str, os.PathLike, Mapping)):
-            if config is not None:
-                from ds_engine.ds_config import load_base
-
-                base, _ = load_base(config)  # a JSON path, a preset name, or a dict
-            user_config = EngineConfig.from_kwargs(**choices)
-        else:
-            raise ConfigError(
-                f"`config` must be an EngineConfig, a JSON path or a dict; got "
-                f"{type(config).__name__}. HINT: Engine(zero_stage=2) or Engine('ds_config.json')."
-            )
-        backend_cls = _select_backend(backend)
-        # Everything we can check without a process group, checked now (conflicts with the
-        # JSON, impossible stage/offload combinations, leftover keys).
-        from ds_engine.ds_config import build_ds_config, validate_ds_config
+        # Everything we can check without a process group, checked now and reported in one
+        # ConfigError: bad or misspelt choices, unknown JSON keys, wrong types, conflicts with
+        # the JSON, impossible stage/offload combinations, optimizer/scheduler blocks, and the
+        # batch triangle against the real world size.
+        from ds_engine.ds_config import check_engine_arguments
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        build_ds_config(user_config, world_size=world_size, base=base, resolve=False)
-        if base is not None:  # unknown keys, wrong types, batch triangle vs. the real world size
-            problems = [
-                p for p in validate_ds_config(base, world_size=world_size) if '"auto" is left over' not in p
-            ]
-            if problems:
-                raise ConfigError("the DeepSpeed config has problems:\n  - " + "\n  - ".join(problems))
+        user_config, base = check_engine_arguments(config, choices, world_size=world_size)
+        backend_cls = _select_backend(backend)
         self._backend = backend_cls(user_config, base)
         self._ended = False
         self.config: EngineConfig = self._backend.effective
@@ -151,6 +129,9 @@ class Engine:
         self._window_len = 1
         self._window_start = True
         self._stepped = False
+        self._micro_backwards = 0  # engine.backward calls in the current micro-step
+        self._grads_pending = False  # gradients accumulated since the last optimizer step
+        self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
         self._free_micro_steps = 0
         self._consecutive_skips = 0
         self._in_accumulate = False
@@ -319,6 +300,7 @@ class Engine:
                 model, optimizer, scheduler, facts=facts
             )
             self._model = wrapped
+            self._guard_direct_backward(self.unwrap_model(wrapped))
             prepared[id(model)] = wrapped
             if backend_optimizer is not None:
                 self._optimizer = PreparedOptimizer(backend_optimizer, self)
@@ -355,8 +337,44 @@ class Engine:
             self._loaders_in_progress.remove(loader)
 
     # ================================================================= the training step
+    def _guard_direct_backward(self, module: torch.nn.Module) -> None:
+        """Make `loss.backward()` on the prepared model's outputs stop with an error.
+
+        A direct backward bypasses the Engine: no window scaling, no boundary, and DeepSpeed
+        would divide by the configured GA (or refuse, on ZeRO-0) on its own. The forward hook
+        sits on the user's module, inside DeepSpeed's / DDP's wrapper, so its gradient hooks
+        run before the wrapper's own and nothing is reduced or scaled before the error.
+        """
+
+        def check(grad: torch.Tensor) -> None:
+            if not self._in_backward:
+                raise RuntimeError(
+                    "`loss.backward()` was called on the output of a model prepared by ds_engine; it "
+                    "would bypass gradient accumulation (window scaling, the boundary, the reduction "
+                    "across ranks). HINT: call `engine.backward(loss)` instead."
+                )
+
+        def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for tensor in _iter_tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(check)
+
+        module.register_forward_hook(hook)
+
     def _begin_micro_step(self) -> None:
         """Decide whether this micro-step ends an accumulation window, and the window's length."""
+        if self._grads_pending and self._boundary and not self._stepped:
+            raise RuntimeError(
+                f"a new micro-step began, but the previous one (micro-step {self.num_micro_steps}) ended "
+                f"an accumulation window (gradient_accumulation_steps="
+                f"{self.config.gradient_accumulation_steps}) and `optimizer.step()` was not called "
+                "after its `engine.backward`: its gradients would be mixed into the next window or "
+                "lost. HINT: let the Engine accumulate: Engine(gradient_accumulation_steps=N), call "
+                "`engine.backward(loss)` (without dividing the loss by N) and then `optimizer.step()`, "
+                "`scheduler.step()`, `optimizer.zero_grad()` on every micro-step, ideally inside "
+                "`with engine.accumulate(model):`; they take effect only at boundaries."
+            )
         ga = self.config.gradient_accumulation_steps
         loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
         if loader is not None:
@@ -372,6 +390,7 @@ class Engine:
         self._window_start = position == 0
         self._boundary = position + 1 == window
         self._stepped = False
+        self._micro_backwards = 0
         self.num_micro_steps += 1
 
     @contextlib.contextmanager
@@ -412,20 +431,40 @@ class Engine:
                 f"`engine.backward` got unexpected arguments {sorted(kwargs)}. HINT: call "
                 "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
             )
+        context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if not self._in_accumulate:
-            self._begin_micro_step()
+            self._begin_micro_step()  # a micro-step of its own, with its own no_sync decision
             if self._model is not None:
-                with self._backend.micro_step_context(
+                context = self._backend.micro_step_context(
                     self._model, boundary=self._boundary, window_start=self._window_start
-                ):
-                    pass
-        self._backend.backward(loss, scale=1.0 / self._window_len, boundary=self._boundary)
+                )
+        elif self._micro_backwards:
+            raise RuntimeError(
+                "`engine.backward` was called twice in one `accumulate()` micro-step; at an accumulation "
+                "boundary DeepSpeed ZeRO-1/2 would keep only the last call's gradients. HINT: add the "
+                "losses and call `engine.backward(total_loss)` once per micro-step."
+            )
+        self._micro_backwards += 1
+        self._in_backward = True
+        try:
+            with context:
+                self._backend.backward(loss, scale=1.0 / self._window_len, boundary=self._boundary)
+        finally:
+            self._in_backward = False
+        self._grads_pending = True
 
     def _optimizer_step(self) -> None:
-        if not self._boundary or self._stepped:
-            return
+        if self._in_accumulate and self._micro_backwards == 0 and self._grads_pending and self._boundary:
+            raise RuntimeError(
+                "`optimizer.step()` before `engine.backward(loss)` in the last micro-step of an "
+                "accumulation window: this micro-batch's gradients would spill into the next window. "
+                "HINT: inside `accumulate()`, call `engine.backward(loss)` first, then `optimizer.step()`."
+            )
+        if not self._boundary or self._stepped or not self._grads_pending:
+            return  # mid-window, already stepped, or nothing to apply (torch: a no-op too)
         outcome = self._backend.optimizer_step()
         self._stepped = True
+        self._grads_pending = False
         self.step_was_skipped = not outcome.applied
         if outcome.applied:
             self.num_optimizer_steps += 1
@@ -445,8 +484,15 @@ class Engine:
             )
 
     def _zero_grad(self) -> None:
-        if self._boundary:
-            self._backend.zero_grad()
+        if not self._grads_pending:
+            self._backend.zero_grad()  # nothing accumulated since the last step: a plain clear
+        elif self._boundary and self._micro_backwards and not self._stepped:
+            raise RuntimeError(
+                "`optimizer.zero_grad()` between `engine.backward(loss)` and `optimizer.step()` at an "
+                "accumulation boundary would discard the window's gradients before they are applied. "
+                "HINT: call `optimizer.step()` first, then `optimizer.zero_grad()`."
+            )
+        # else: mid-window, or at the start of a boundary micro-step: keep accumulating
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> float | None:
         """Clip to `max_norm`, which must equal the config's `gradient_clipping`.
@@ -610,6 +656,17 @@ class Engine:
         from ds_engine.checkpoint import load_training_checkpoint
 
         return load_training_checkpoint(self, directory, tag=tag)
+
+
+def _iter_tensors(data: Any) -> Iterator[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        yield data
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            yield from _iter_tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _iter_tensors(value)
 
 
 def _map_tensors(data: Any, fn: Any) -> Any:

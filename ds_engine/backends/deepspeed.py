@@ -20,14 +20,7 @@ import torch
 from ds_engine._imports import require_deepspeed
 from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
 from ds_engine.config import ConfigError, EngineConfig
-from ds_engine.ds_config import build_ds_config, hidden_size_from_model
-
-#: DeepSpeed's own defaults, used when "auto" bucket sizes have no hidden size to derive from.
-_DEEPSPEED_BUCKET_DEFAULTS = {
-    "reduce_bucket_size": 500_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-}
+from ds_engine.ds_config import build_ds_config, deepspeed_bucket_fallbacks, hidden_size_from_model
 
 
 def _ensure_launch_env() -> None:
@@ -189,21 +182,14 @@ class DeepSpeedBackend(Backend):
     def _config_for(self, model: torch.nn.Module | None) -> EngineConfig:
         """The user's choices, with DeepSpeed's bucket defaults where "auto" has no hidden size.
 
-        A plain `nn.Module` has no `config.hidden_size`; bucket sizes the user left at their
-        "auto" default (neither chosen nor in the JSON) then take DeepSpeed's own defaults
-        instead of failing. An "auto" the user asked for still has to be filled.
+        A plain `nn.Module` has no `config.hidden_size` (and zero.Init has no model yet); bucket
+        sizes the user did not ask for then take DeepSpeed's own defaults, by the one rule
+        `build_ds_config` applies too (`ds_config.deepspeed_bucket_fallbacks`). An "auto" the
+        user asked for still has to be filled.
         """
         if hidden_size_from_model(model) is not None:
             return self.config
-        zero_base = (self.base or {}).get("zero_optimization", {})
-        stage = self.effective.zero_stage
-        fill = {
-            key: value
-            for key, value in _DEEPSPEED_BUCKET_DEFAULTS.items()
-            if key not in self.config.explicit_fields
-            and key not in zero_base
-            and stage >= (3 if key.startswith("stage3_") else 1)
-        }
+        fill = deepspeed_bucket_fallbacks(self.config, self.base, zero_stage=self.effective.zero_stage)
         return dataclasses.replace(self.config, **fill) if fill else self.config  # type: ignore[arg-type]
 
     def _maybe_offload_optimizer(
@@ -288,8 +274,12 @@ class DeepSpeedBackend(Backend):
         engine = self.ds_engine
         engine.set_gradient_accumulation_boundary(boundary)
         # Our own divisor (the real window length, also for a short last window) instead of
-        # DeepSpeed's fixed division by the configured GA.
-        engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False)
+        # DeepSpeed's fixed division by the configured GA. Always a new tensor, even for a
+        # scale of 1: DeepSpeed's forward hooks its outputs to divide their gradient by GA
+        # unless `backward` marked the graph first, and it marks it through a hook on the tensor
+        # it is given; handed the forward's own output (a model that returns its loss), its
+        # GA hook would run first and divide a window of one by GA.
+        engine.backward(loss * scale, scale_wrt_gas=False)
 
     def optimizer_step(self) -> StepOutcome:
         engine = self.ds_engine

@@ -138,3 +138,66 @@ def test_validate_corrupt_file_is_one_line_error(tmp_path, capsys: pytest.Captur
     assert main(["config", "--validate", str(corrupt)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "c.json` is not valid JSON" in err and "line 1 column 7" in err
+
+
+def test_config_reports_every_problem_on_its_one_error_line(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"zero_optimisation": {"stage": 2}, "gradient_accumulation_steps": 0}))
+    assert main(["config", "--base", str(base), "--micro-batch-size", "1", "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        "ds-engine: error: 2 configuration problems: [1] `zero_optimisation` is not a known top-level "
+        "DeepSpeed key. HINT: did you mean `zero_optimization`? [2] `gradient_accumulation_steps` = 0 "
+    )
+
+
+def test_config_without_micro_batch_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--zero-stage", "2"]) == 2
+    err = capsys.readouterr().err
+    assert '`train_micro_batch_size_per_gpu` = "auto" is left over' in err
+    assert "ds-engine config: --micro-batch-size" in err
+
+
+def test_validate_lists_optimizer_scheduler_and_misspelt_keys(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5},
+                "optimizer": {"type": "AdamW", "params": {"lr": "1e-5", "max_grad_norm": 1.0}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0}},
+            }
+        )
+    )
+    assert main(["config", "--validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines[0] == (
+        "`zero_optimization.reduce_bucket_sise` is not a known zero_optimization key. "
+        "HINT: did you mean `reduce_bucket_size`?"
+    )
+    for part in (
+        '`optimizer.params.lr` = "1e-5" is invalid: expected a finite number >= 0',
+        "`optimizer.params.max_grad_norm` = 1.0 is refused by DeepSpeed",
+        "`scheduler.params.total_num_steps` is missing: WarmupDecayLR requires it",
+        "`scheduler.params.warmup_num_steps` = 0 is invalid: expected an integer >= 1",
+    ):
+        assert sum(line.startswith(part) for line in lines) == 1, (part, lines)
+    assert len(lines) == 5 and "5 problem(s)" in captured.err
+
+
+def test_config_builds_from_every_preset_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_engine.ds_config import PRESETS
+
+    for name in PRESETS:
+        extra = ["--nvme-path", "/local_nvme"] if "nvme" in name else []
+        argv = ["config", "--base", name, "--micro-batch-size", "2", "--hidden-size", "8", *extra]
+        assert main(argv) == 0, name
+        out = json.loads(capsys.readouterr().out)
+        assert out["train_batch_size"] == 2 and "auto" not in json.dumps(out), name

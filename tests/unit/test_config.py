@@ -227,7 +227,13 @@ def test_equal_values_and_auto_never_conflict() -> None:
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            r"`offload_params` = \"cpu\" needs ZeRO stage 3",
+            r"`zero_optimization\.offload_param\.device` = \"cpu\" needs ZeRO stage 3, got "
+            r"`zero_optimization\.stage` = 2",
+        ),
+        (
+            {"activation_checkpointing": {"cpu_checkpointing": True}},
+            r"^`activation_checkpointing\.cpu_checkpointing` = true needs "
+            r"`activation_checkpointing_partition` = true",
         ),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
@@ -262,3 +268,101 @@ def test_load_json_config_errors_name_the_file(tmp_path) -> None:
     copy = load_json_config(src)
     copy["a"]["b"] = 2
     assert src["a"]["b"] == 1  # a deep copy
+
+
+# --------------------------------------------------------------------------- every problem at once
+def test_config_error_carries_every_problem_and_pickles() -> None:
+    import pickle
+
+    one = ConfigError("`a` = 1 is invalid. HINT: x")
+    assert one.problems == ("`a` = 1 is invalid. HINT: x",) and str(one) == one.problems[0]
+    two = ConfigError("`a` is bad. HINT: x", "`b` is bad. HINT: y")
+    assert str(two) == "2 configuration problems:\n  - `a` is bad. HINT: x\n  - `b` is bad. HINT: y"
+    assert str(pickle.loads(pickle.dumps(two))) == str(two)
+
+
+def test_engine_config_reports_every_bad_choice_unknown_names_first() -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(zero_stage=5, precision="fp8", gradient_clip=1.0, micro_batch_size=0)
+    assert info.value.problems == (
+        "`gradient_clip` is not a known EngineConfig field. HINT: did you mean `gradient_clipping`?",
+        "`zero_stage` = 5 is invalid: expected an integer in 0..3. "
+        "HINT: set `zero_stage` to an integer in 0..3",
+        '`precision` = "fp8" is invalid: expected one of fp32, fp16, bf16. '
+        "HINT: set `precision` to one of fp32, fp16, bf16",
+        '`micro_batch_size` = 0 is invalid: expected an integer >= 1 or "auto". '
+        'HINT: set `micro_batch_size` to an integer >= 1 or "auto"',
+    )
+
+
+def test_resolve_reports_conflicts_bad_base_values_and_combinations_together() -> None:
+    base = {
+        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}, "overlap_comm": "yes"},
+        "gradient_accumulation_steps": 0,
+        "gradient_clipping": 0.5,
+    }
+    with pytest.raises(ConfigError) as info:
+        resolve_engine_config(EngineConfig(gradient_clipping=1.0), base, where="b.json")
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert problems[0].startswith(
+        "the DeepSpeed base config (b.json) contradicts explicit choices: `gradient_clipping` = 0.5 in the "
+        "base vs `gradient_clipping` = 1.0"
+    )
+    assert problems[1].startswith("`gradient_accumulation_steps` = 0 (in b.json) is invalid")
+    assert problems[2].startswith('`zero_optimization.overlap_comm` = "yes" (in b.json) is invalid')
+    assert problems[3].startswith(
+        '`zero_optimization.offload_param.device` = "cpu" needs ZeRO stage 3, got '
+        "`zero_optimization.stage` = 2"
+    )
+
+
+def test_engine_reports_choice_and_json_problems_in_one_error_before_any_process_group() -> None:
+    import torch.distributed as dist
+
+    from ds_engine import Engine
+
+    base = {
+        "zero_optimisation": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": "1e-5"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+    }
+    with pytest.raises(ConfigError) as info:
+        Engine(base, backend="accelerate", zero_stag=3, precision="fp8")
+    assert info.value.problems == (
+        "`zero_stag` is not a known EngineConfig field. HINT: did you mean `zero_stage`?",
+        "`zero_optimisation` is not a known top-level DeepSpeed key. HINT: did you mean `zero_optimization`?",
+        '`precision` = "fp8" is invalid: expected one of fp32, fp16, bf16. '
+        "HINT: set `precision` to one of fp32, fp16, bf16",
+        '`optimizer.params.lr` = "1e-5" is invalid: expected a finite number >= 0. '
+        "HINT: write a number for lr",
+        "`scheduler.params.warmup_num_steps` = 0 is invalid: expected an integer >= 1. "
+        "HINT: set scheduler.params.warmup_num_steps to an integer >= 1",
+    )
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_engine_checks_a_scheduler_choice_and_names_the_key() -> None:
+    from ds_engine import Engine
+
+    bad = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 10}}
+    with pytest.raises(
+        ConfigError,
+        match=r"^`scheduler\.params\.total_num_steps` = 10 is less than "
+        r"`scheduler\.params\.warmup_num_steps` = 100: allowed is total_num_steps >= warmup_num_steps",
+    ):
+        Engine(backend="accelerate", scheduler=bad)
+    with pytest.raises(ConfigError, match=r"`scheduler\.params\.warmup_num_steps` = -1 is invalid"):
+        Engine({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}}, backend="accelerate")
+
+
+def test_engine_json_without_a_batch_size_waits_for_prepare() -> None:
+    import warnings
+
+    from ds_engine import Engine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback lists choices it cannot honour
+        engine = Engine({"zero_optimization": {"stage": 2}}, backend="accelerate")
+        assert engine.config.zero_stage == 2
+        assert Engine("zero3", backend="accelerate").config.zero_stage == 3  # a preset, by name

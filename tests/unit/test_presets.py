@@ -1,11 +1,15 @@
-"""Presets in configs/: each equals the builder's output for its choices, and resolves as a base."""
+"""Presets (package data in ds_engine/configs/): each equals the builder's output for its choices."""
 
 from __future__ import annotations
 
 import json
+import os
+from importlib import resources
+from pathlib import Path
 
 import pytest
 
+import ds_engine
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.ds_config import (
     PRESETS,
@@ -24,7 +28,7 @@ def test_preset_files_are_exactly_what_the_builder_writes() -> None:
     for name in PRESETS:
         text = preset_path(name).read_text()
         assert text == rendered[name], (
-            f"configs/{name}.json is stale: run python -m ds_engine.ds_config --write-presets"
+            f"ds_engine/configs/{name}.json is stale: run python -m ds_engine.ds_config --write-presets"
         )
         assert json.loads(text) == build_ds_config(preset_choices()[name], world_size=1, resolve=False)
 
@@ -77,7 +81,10 @@ def test_preset_as_base_equals_building_from_its_choices(name: str) -> None:
 
 
 def test_nvme_preset_without_path_names_nvme_path() -> None:
-    with pytest.raises(ConfigError, match=r"`nvme_path` is required when `offload_optimizer` = \"nvme\""):
+    with pytest.raises(
+        ConfigError,
+        match=r"^`nvme_path` is required when `zero_optimization\.offload_optimizer\.device` = \"nvme\"",
+    ):
         build_ds_config(
             EngineConfig(), world_size=1, micro_batch_size=1, hidden_size=8, base="zero3_offload_nvme"
         )
@@ -93,3 +100,29 @@ def test_unknown_preset_lists_presets() -> None:
         ConfigError, match=r"`zero4` is not a preset \(allowed: zero0, zero1, zero2, zero2_offload"
     ):
         preset_path("zero4")
+
+
+def test_presets_are_package_data_found_through_importlib_resources() -> None:
+    package = Path(ds_engine.__file__).resolve().parent
+    assert PRESETS_DIR.resolve() == package / "configs"
+    for name in PRESETS:
+        resource = resources.files("ds_engine") / "configs" / f"{name}.json"
+        assert preset_path(name) == Path(str(resource)) and resource.is_file()
+
+
+def test_top_level_configs_is_a_relative_link_to_the_package_folder() -> None:
+    top = Path(ds_engine.__file__).resolve().parents[1] / "configs"
+    if not (top.parent / "pyproject.toml").is_file():
+        pytest.skip("not a source checkout")  # an installed package has no top-level folder
+    assert top.is_symlink() and os.readlink(top) == os.path.join("ds_engine", "configs")
+    assert sorted(p.name for p in top.glob("*.json")) == sorted(f"{n}.json" for n in PRESETS)
+
+
+def test_a_missing_preset_file_says_to_reinstall(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "configs").mkdir()
+    monkeypatch.setattr(resources, "files", lambda package: tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"^preset `zero3` is missing from the installed ds_engine package .*HINT: reinstall",
+    ):
+        preset_path("zero3")
