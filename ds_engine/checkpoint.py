@@ -37,7 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_engine.safety import check_checkpoint_folder, check_pickle_file
+from ds_engine.safety import (
+    UnsafeCheckpointError,
+    deepspeed_safe_globals,
+    restricted_load,
+    restricted_torch_load,
+)
 
 __all__ = [
     "capture_rng_state",
@@ -826,11 +831,7 @@ def _find_config(
 def _load_zero0_module(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full module state dict a ZeRO-0 checkpoint stores in its model-states file."""
     path = sorted(tag_dir.glob("*model_states.pt"))[0]
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # DeepSpeed pickles its own objects too: vet the opcodes before unpickling
-        check_pickle_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    state = restricted_load(path, safe_globals=deepspeed_safe_globals(), mmap=True)
     module = state.get("module") if isinstance(state, dict) else None
     if not isinstance(module, dict):
         raise ValueError(f"{str(path)!r} holds no `module` state dict. HINT: is this a DeepSpeed checkpoint?")
@@ -870,7 +871,10 @@ def consolidate_checkpoint(
 
     Raises:
         FileNotFoundError: Missing checkpoint folder, `latest` file, tag or config.
-        ValueError: A folder that is not a DeepSpeed checkpoint, or a bad dtype / shard size.
+        UnsafeCheckpointError: A checkpoint file asks the unpickler for something outside the
+            allowlist (`ds_engine.safety`); names the file. Nothing of the file's choosing ran.
+        ValueError: A folder that is not a DeepSpeed checkpoint, a truncated or corrupt file
+            (named), or a bad dtype / shard size.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -892,10 +896,10 @@ def consolidate_checkpoint(
     if list(tag_dir.glob("*optim_states.pt")) and _zero_stage(tag_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        check_checkpoint_folder(tag_dir)  # zero_to_fp32 unpickles with weights_only=False
-        lazy: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
-            str(checkpoint), tag=tag, lazy_mode=True
-        )
+        with restricted_torch_load(deepspeed_safe_globals()):  # it asks for weights_only=False
+            lazy: dict[str, Any] = get_fp32_state_dict_from_zero_checkpoint(
+                str(checkpoint), tag=tag, lazy_mode=True
+            )
     else:
         lazy = _load_zero0_module(tag_dir)
 
@@ -942,15 +946,24 @@ def consolidate_checkpoint(
 
 
 def _zero_stage(tag_dir: Path) -> int:
-    """The ZeRO stage recorded in the first optimizer-states file (0 when unreadable)."""
+    """The ZeRO stage the first optimizer-states file records (0 when it records none).
+
+    Raises:
+        UnsafeCheckpointError: The file asks for something outside the allowlist.
+        ValueError: The file is truncated, corrupt, or holds no optimizer state: never taken
+            for ZeRO-0, whose model-states file would then be read as the whole model.
+    """
     path = sorted(tag_dir.glob("*optim_states.pt"))[0]
-    check_pickle_file(path)  # DeepSpeed's files need weights_only=False: vet them first
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:
-        return 0
-    optim = state.get("optimizer_state_dict", {}) if isinstance(state, dict) else {}
-    return int(optim.get("zero_stage", 0)) if isinstance(optim, dict) else 0
+    state = restricted_load(path, safe_globals=deepspeed_safe_globals(), mmap=True)
+    optim = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+    if not isinstance(optim, dict):
+        raise ValueError(
+            f"checkpoint file {str(path)!r} holds no `optimizer_state_dict` (found "
+            f"{sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__}), so its ZeRO "
+            "stage is unknown. HINT: point at a folder written by DeepSpeed's `save_checkpoint`, or "
+            "remove the stray file."
+        )
+    return int(optim.get("zero_stage", 0))
 
 
 # =========================================================================== training checkpoints
@@ -968,9 +981,9 @@ def _zero_stage(tag_dir: Path) -> int:
 #
 # A tag is written into `directory/.<tag>.tmp/<tag>` by every rank, then rank 0 renames it into
 # place after a barrier, so a crash never leaves a tag folder that looks complete. This assumes
-# the ranks share a filesystem (as DeepSpeed's own `latest` file does). Every file ds_engine
-# reads back is loaded with `torch.load(weights_only=True)`; DeepSpeed's own files are read by
-# DeepSpeed's loader.
+# the ranks share a filesystem (as DeepSpeed's own `latest` file does). Every file is read by
+# torch's weights-only unpickler with an explicit allowlist (`ds_engine.safety`): ds_engine's
+# own files directly, DeepSpeed's by DeepSpeed's loader inside `restricted_torch_load`.
 
 CHECKPOINT_META_NAME = "ds_engine_meta.json"
 ENGINE_STATE_NAME = "engine_state.pt"
@@ -999,9 +1012,12 @@ def _raise_problem(problem: tuple[str, str] | None) -> None:
     """Raise `problem` = (exception kind, message), the same on every rank that got it."""
     if problem:
         kind, message = problem
-        raise {"FileNotFoundError": FileNotFoundError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
-            message
-        )
+        kinds = {
+            "FileNotFoundError": FileNotFoundError,
+            "RuntimeError": RuntimeError,
+            "UnsafeCheckpointError": UnsafeCheckpointError,
+        }
+        raise kinds.get(kind, ValueError)(message)
 
 
 # --------------------------------------------------------------------------- RNG
@@ -1071,141 +1087,13 @@ def _save_safe(obj: Any, path: Path, what: str) -> None:
 
 
 def _load_safe(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        check_pickle_file(path)  # names the callable if the file would run code
-        raise ValueError(
-            f"checkpoint file {str(path)!r} holds objects that only an unrestricted unpickler could load. "
-            "HINT: ds_engine writes tensors and plain containers only; was this file written by ds_engine?"
-        ) from None
-    except Exception as exc:
-        raise ValueError(
-            f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}). "
-            "HINT: the file is truncated or corrupt; load an older tag with `tag=...`."
-        ) from None
-
-
-def _truncated(path: Path) -> str:
-    """'' when the torch.save zip archive at `path` is whole (its central directory is readable)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            archive.infolist()
-    except (zipfile.BadZipFile, OSError) as exc:
-        return f"{exc}"
-    return ""
+    """One of ds_engine's own files: tensors and plain containers only (`_save_safe` proved it)."""
+    return restricted_load(path, hint="load an older tag with `tag=...`")
 
 
 # --------------------------------------------------------------------------- engine state
-def _loader_position(loader: Any) -> dict[str, Any]:
-    """Where `loader` resumes: the batch after the current one while iterating, else batch 0."""
-    epoch = int(loader.epoch)
-    next_batch = int(loader.batch_index) + 1 if loader.in_progress else 0
-    if next_batch >= len(loader):  # saved on the last batch: the next epoch, from its start
-        epoch, next_batch = epoch + 1, 0
-    return {
-        "epoch": epoch,
-        "next_batch": next_batch,
-        "batch_size": int(loader.batch_size),
-        "num_replicas": int(loader.batch_sampler.num_replicas),
-        "num_samples": int(loader.num_samples),
-        "epoch_set_explicitly": bool(getattr(loader, "_epoch_set_explicitly", False)),
-    }
-
-
-def _restore_loader(loader: Any, saved: Mapping[str, Any], index: int) -> None:
-    next_batch = int(saved["next_batch"])
-    old_global = int(saved["batch_size"]) * int(saved["num_replicas"])
-    new_global = int(loader.batch_size) * int(loader.batch_sampler.num_replicas)
-    if int(saved["num_samples"]) != int(loader.num_samples):
-        raise ValueError(
-            f"prepared dataloader #{index} has {loader.num_samples} samples but the checkpoint's had "
-            f"{saved['num_samples']}; the saved position would point elsewhere. HINT: resume with the "
-            "same data set."
-        )
-    if old_global != new_global:
-        samples = next_batch * old_global
-        next_batch, rest = divmod(samples, new_global)
-        if rest:
-            import warnings
-
-            warnings.warn(
-                f"ds_engine: dataloader #{index} resumed at sample {samples}, which is not a multiple "
-                f"of the new global batch ({new_global}); it restarts at sample {next_batch * new_global} "
-                f"({rest} samples are seen again).",
-                stacklevel=4,
-            )
-    loader.load_state_dict({"epoch": int(saved["epoch"]), "batch_index": next_batch})
-    if hasattr(loader, "_epoch_set_explicitly"):
-        # load_state_dict pins the epoch; the saved run may have let it advance by itself
-        loader._epoch_set_explicitly = bool(saved["epoch_set_explicitly"])
-
-
 def _engine_state(engine: Any, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
-    scheduler = engine._scheduler
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "counters": {
-            "num_micro_steps": int(engine.num_micro_steps),
-            "num_optimizer_steps": int(engine.num_optimizer_steps),
-            "num_skipped_steps": int(engine.num_skipped_steps),
-            "free_micro_steps": int(engine._free_micro_steps),
-        },
-        "step_was_skipped": bool(engine.step_was_skipped),
-        "grad_norm": engine.grad_norm,
-        "loss_scale": engine.loss_scale,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "dataloaders": [_loader_position(loader) for loader in engine._dataloaders],
-        "client_state": dict(client_state or {}),
-    }
-
-
-def _restore_engine_state(engine: Any, state: Mapping[str, Any]) -> None:
-    counters = state["counters"]
-    engine.num_micro_steps = int(counters["num_micro_steps"])
-    engine.num_optimizer_steps = int(counters["num_optimizer_steps"])
-    engine.num_skipped_steps = int(counters["num_skipped_steps"])
-    engine._free_micro_steps = int(counters["free_micro_steps"])
-    engine.step_was_skipped = bool(state["step_was_skipped"])
-    engine.grad_norm = state["grad_norm"]
-    engine.loss_scale = state["loss_scale"]
-    engine._boundary = True
-    scheduler = engine._scheduler
-    saved_scheduler = state["scheduler"]
-    if (scheduler is None) != (saved_scheduler is None):
-        raise ValueError(
-            "the checkpoint "
-            + (
-                "has a scheduler state but no scheduler was prepared"
-                if scheduler is None
-                else "has no scheduler"
-            )
-            + ". HINT: pass the same objects to `engine.prepare` as in the run that saved it."
-        )
-    if scheduler is not None:
-        scheduler.load_state_dict(saved_scheduler)
-        _sync_lr_with_scheduler(scheduler)
-    loaders, saved_loaders = engine._dataloaders, state["dataloaders"]
-    if len(loaders) != len(saved_loaders):
-        raise ValueError(
-            f"{len(loaders)} dataloaders are prepared but the checkpoint holds {len(saved_loaders)} "
-            "positions. HINT: prepare the same dataloaders, in the same order, as the run that saved it."
-        )
-    for index, (loader, saved) in enumerate(zip(loaders, saved_loaders)):
-        _restore_loader(loader, saved, index)
-
-
-def _sync_lr_with_scheduler(scheduler: Any) -> None:
-    """Put the restored schedule's current lr into the optimizer (as its last `step()` did)."""
-    inner = getattr(scheduler, "scheduler", scheduler)
-    optimizer = getattr(inner, "optimizer", None)
-    last = getattr(inner, "_last_lr", None)
-    if optimizer is None or not last or len(last) != len(optimizer.param_groups):
-        return
-    for group, lr in zip(optimizer.param_groups, last):
-        group["lr"] = lr
+    return {"format": CHECKPOINT_FORMAT, **engine.state_dict(), "client_state": dict(client_state or {})}
 
 
 # --------------------------------------------------------------------------- metadata
@@ -1284,7 +1172,7 @@ def save_training_checkpoint(
             "`save_checkpoint` before `prepare`: there is no model to save. HINT: call "
             "`engine.prepare(model, optimizer, ...)` first."
         )
-    if not engine.sync_gradients:
+    if not engine.sync_gradients or engine.has_unapplied_gradients:
         raise RuntimeError(
             f"`save_checkpoint` in the middle of an accumulation window (micro-step "
             f"{engine.num_micro_steps}, GA={engine.gradient_accumulation_steps}): the gradients "
@@ -1441,13 +1329,16 @@ def resolve_checkpoint(
             f"{str(tag_dir)!r} lacks `{ENGINE_STATE_NAME}`; the checkpoint is incomplete. HINT: load "
             "an older tag with `tag=`."
         )
+    # Every file's pickle goes through the restricted unpickler now (tensor data stays mapped,
+    # unread): a truncated file, or one asking for anything off the allowlist, is refused here
+    # on rank 0 and the error reaches every rank, instead of one rank failing inside DeepSpeed's
+    # collective load while the others wait. DeepSpeed's own loads are restricted again later.
+    safe_globals = deepspeed_safe_globals() if meta.get("backend") == "deepspeed" else ()
+    older = ", ".join(t for t in tags if t != tag) or "none other saved"
     for path in sorted(tag_dir.glob("*.pt")):
-        broken = _truncated(path)
-        if broken:
-            raise ValueError(
-                f"checkpoint file {str(path)!r} is truncated or corrupt ({broken}). HINT: load an older "
-                f"tag with `tag=` ({', '.join(t for t in tags if t != tag) or 'none other saved'})."
-            )
+        restricted_load(
+            path, safe_globals=safe_globals, mmap=True, hint=f"load an older tag with `tag=` ({older})."
+        )
     return tag, tag_dir, meta
 
 
@@ -1520,7 +1411,7 @@ def load_training_checkpoint(
     else:
         engine._backend.load_checkpoint(root, found_tag)
     state = _load_safe(tag_dir / ENGINE_STATE_NAME)
-    _restore_engine_state(engine, state)
+    engine.load_state_dict(state)
     rng_path = tag_dir / rng_state_name(rank)
     if rng_path.is_file():
         restore_rng_state(_load_safe(rng_path))
@@ -1545,11 +1436,10 @@ def save_deepspeed_states(
 
 def load_deepspeed_states(ds_engine: Any, root: Path, tag: str) -> dict[str, Any]:
     """Load `root/tag` with DeepSpeed (model, optimizer and partitions, its scheduler)."""
-    # DeepSpeed unpickles its files with weights_only=False: refuse any that could run code
-    check_checkpoint_folder(root / tag, recursive=True)
-    load_path, client_state = ds_engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with restricted_torch_load(deepspeed_safe_globals()):  # DeepSpeed asks for weights_only=False
+        load_path, client_state = ds_engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if load_path is None:
         raise RuntimeError(
             f"DeepSpeed could not load {str(root / tag)!r} (see its log above). HINT: check that the "
@@ -1677,22 +1567,25 @@ def convert_to_universal(tag_dir: Path) -> Path:
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
-    check_checkpoint_folder(tag_dir)  # ds_to_universal unpickles with weights_only=False
-    if target.is_dir():
+    if target.is_dir():  # its files are read through the restricted loader when loaded
         return target
     tmp = _tmp_sibling(target, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     args = argparse.Namespace(
         input_folder=str(tag_dir),
         output_folder=str(tmp),
-        num_extract_workers=1,  # in this process: no worker pool
+        num_extract_workers=1,  # in this process, inside the restricted scope: no worker pool
         num_merge_workers=1,
         keep_temp_folder=False,
         strict=True,
         inject_missing_state=True,
     )
     try:
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # it prints progress
+        with (
+            open(os.devnull, "w") as sink,
+            contextlib.redirect_stdout(sink),  # it prints progress
+            restricted_torch_load(deepspeed_safe_globals()),  # it asks for weights_only=False
+        ):
             ds_to_universal(args)
         _publish(tmp, target)
     except BaseException:
@@ -1705,24 +1598,23 @@ def _load_deepspeed_universal(engine: Any, root: Path, tag: str, meta: Mapping[s
     """Re-partition a ZeRO checkpoint for another world size via DeepSpeed's universal checkpoint."""
     import warnings
 
-    rank = _rank()
-    error: BaseException | None = None
-    if rank == 0:
+    problem: tuple[str, str] | None = None
+    if _rank() == 0:
         try:
-            convert_to_universal(root / tag)
-        except BaseException as exc:  # the other ranks wait at the collective below
-            error = exc
-    if _any_rank_failed(error is not None):
-        if error is not None:
-            raise ValueError(
+            universal = convert_to_universal(root / tag)
+            for path in sorted(universal.rglob("*.pt")):  # as `resolve_checkpoint` does for the tag
+                restricted_load(path, safe_globals=deepspeed_safe_globals(), mmap=True)
+        except UnsafeCheckpointError as exc:
+            problem = ("UnsafeCheckpointError", str(exc))
+        except Exception as exc:  # the other ranks wait at the broadcast below
+            problem = (
+                "ValueError",
                 f"{str(root / tag)!r} was written by {meta['world_size']} ranks and this run has "
                 f"{_world()}; converting it to a DeepSpeed universal checkpoint failed "
-                f"({type(error).__name__}: {error}). HINT: resume on {meta['world_size']} ranks, or "
-                f"`ds-engine consolidate {root} OUT --tag {tag}` and start from those weights."
-            ) from error
-        raise RuntimeError(
-            "rank 0 failed to convert the checkpoint to a universal checkpoint (see its error)."
-        )
+                f"({type(exc).__name__}: {exc}). HINT: resume on {meta['world_size']} ranks, or "
+                f"`ds-engine consolidate {root} OUT --tag {tag}` and start from those weights.",
+            )
+    _raise_problem(_broadcast_from_rank0(problem))  # every rank raises rank 0's error
     ds_engine = engine._backend.ds_engine
     config = ds_engine._config
     previous = config.load_universal_checkpoint

@@ -14,6 +14,7 @@ exactly those duplicates because they sit at the end of the gathered, rank-order
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -189,9 +190,58 @@ class PreparedDataLoader:
         """Make the next iteration start at batch `num_batches` (resume mid-epoch)."""
         self.batch_sampler.skip_batches = num_batches
 
+    def _resume_point(self) -> tuple[int, int]:
+        """(epoch, batch): the batch after the one being processed; the next epoch after its last."""
+        epoch, next_batch = int(self.epoch), int(self.batch_index) + 1 if self.in_progress else 0
+        if next_batch >= len(self):
+            epoch, next_batch = epoch + 1, 0
+        return epoch, next_batch
+
     def state_dict(self) -> dict[str, int]:
         """Where to resume: the batch after the one being processed (0 between epochs)."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index + 1 if self.in_progress else 0}
+        epoch, next_batch = self._resume_point()
+        return {"epoch": epoch, "batch_index": next_batch}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """`state_dict()` plus what resuming on another number of ranks or data needs."""
+        epoch, next_batch = self._resume_point()
+        return {
+            "epoch": epoch,
+            "next_batch": next_batch,
+            "batch_size": int(self.batch_size),
+            "num_replicas": int(self.batch_sampler.num_replicas),
+            "num_samples": int(self.num_samples),
+            "epoch_set_explicitly": bool(self._epoch_set_explicitly),
+        }
+
+    def load_checkpoint_state(self, saved: Mapping[str, Any], *, index: int = 0) -> None:
+        """Resume at `checkpoint_state()`'s position, converted by sample count to this global batch.
+
+        Raises:
+            ValueError: the data set has another number of samples than the saved one.
+        """
+        next_batch = int(saved["next_batch"])
+        old_global = int(saved["batch_size"]) * int(saved["num_replicas"])
+        new_global = int(self.batch_size) * int(self.batch_sampler.num_replicas)
+        if int(saved["num_samples"]) != int(self.num_samples):
+            raise ValueError(
+                f"prepared dataloader #{index} has {self.num_samples} samples but the checkpoint's had "
+                f"{saved['num_samples']}; the saved position would point elsewhere. HINT: resume with the "
+                "same data set."
+            )
+        if old_global != new_global:
+            samples = next_batch * old_global
+            next_batch, rest = divmod(samples, new_global)
+            if rest:
+                warnings.warn(
+                    f"ds_engine: dataloader #{index} resumed at sample {samples}, which is not a multiple "
+                    f"of the new global batch ({new_global}); it restarts at sample "
+                    f"{next_batch * new_global} ({rest} samples are seen again).",
+                    stacklevel=4,
+                )
+        self.load_state_dict({"epoch": int(saved["epoch"]), "batch_index": next_batch})
+        # load_state_dict pins the epoch; the saved run may have let it advance by itself
+        self._epoch_set_explicitly = bool(saved["epoch_set_explicitly"])
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume at `state`; the epoch then advances by itself as before."""

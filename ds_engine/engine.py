@@ -26,6 +26,7 @@ from ds_engine.backends.base import Backend
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer
+from ds_engine.step_state import StepState
 
 #: Environment variable `ds-engine launch --config` uses to hand a config to `Engine()`.
 CONFIG_ENV = "DS_ENGINE_CONFIG"
@@ -112,28 +113,9 @@ class Engine:
                 stacklevel=2,
             )
 
-        # step bookkeeping
-        self.num_micro_steps = 0
-        """Micro-steps (forward/backward passes) taken so far."""
-        self.num_optimizer_steps = 0
-        """Optimizer steps applied so far (skipped steps not counted)."""
-        self.num_skipped_steps = 0
-        """Optimizer steps skipped because of overflow / non-finite gradients."""
-        self.step_was_skipped = False
-        """True when the last boundary's optimizer step was skipped."""
-        self.grad_norm: float | None = None
-        """Global gradient norm at the last boundary, before clipping."""
-        self.loss_scale: float | None = None
-        """Current fp16 loss scale (None without loss scaling)."""
-        self._boundary = True
-        self._window_len = 1
-        self._window_start = True
-        self._stepped = False
-        self._micro_backwards = 0  # engine.backward calls in the current micro-step
-        self._grads_pending = False  # gradients accumulated since the last optimizer step
+        self.step = StepState()
+        """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
         self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
-        self._free_micro_steps = 0
-        self._consecutive_skips = 0
         self._in_accumulate = False
         self._loaders_in_progress: list[PreparedDataLoader] = []
         self._model: torch.nn.Module | None = None
@@ -155,7 +137,42 @@ class Engine:
     @property
     def sync_gradients(self) -> bool:
         """True when the current micro-step is an accumulation boundary (the optimizer steps)."""
-        return self._boundary
+        return self.step.boundary
+
+    @property
+    def num_micro_steps(self) -> int:
+        """Micro-steps (forward/backward passes) taken so far."""
+        return self.step.num_micro_steps
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        """Optimizer steps applied so far (skipped steps not counted)."""
+        return self.step.num_optimizer_steps
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """Optimizer steps skipped because of overflow / non-finite gradients."""
+        return self.step.num_skipped_steps
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last boundary's optimizer step was skipped."""
+        return self.step.step_was_skipped
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm at the last boundary, before clipping."""
+        return self.step.grad_norm
+
+    @property
+    def loss_scale(self) -> float | None:
+        """Current fp16 loss scale (None without loss scaling)."""
+        return self.step.loss_scale
+
+    @property
+    def has_unapplied_gradients(self) -> bool:
+        """Gradients were accumulated since the last optimizer step (mid-window, or before `step()`)."""
+        return self.step.grads_pending
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -303,14 +320,16 @@ class Engine:
             self._guard_direct_backward(self.unwrap_model(wrapped))
             prepared[id(model)] = wrapped
             if backend_optimizer is not None:
-                self._optimizer = PreparedOptimizer(backend_optimizer, self)
+                self._optimizer = PreparedOptimizer(
+                    backend_optimizer, step=self._optimizer_step, zero_grad=self._zero_grad
+                )
                 if optimizer is not None:
                     prepared[id(optimizer)] = self._optimizer
             if scheduler is not None:
-                self._scheduler = OverflowAwareScheduler(scheduler, self)
+                self._scheduler = OverflowAwareScheduler(scheduler, self.step)
                 prepared[id(scheduler)] = self._scheduler
             elif backend_scheduler is not None:
-                self._scheduler = OverflowAwareScheduler(backend_scheduler, self, engine_steps_it=True)
+                self._scheduler = OverflowAwareScheduler(backend_scheduler, self.step, engine_steps_it=True)
         result = tuple(prepared[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
 
@@ -364,7 +383,7 @@ class Engine:
 
     def _begin_micro_step(self) -> None:
         """Decide whether this micro-step ends an accumulation window, and the window's length."""
-        if self._grads_pending and self._boundary and not self._stepped:
+        if self.step.grads_pending and self.step.boundary and not self.step.stepped:
             raise RuntimeError(
                 f"a new micro-step began, but the previous one (micro-step {self.num_micro_steps}) ended "
                 f"an accumulation window (gradient_accumulation_steps="
@@ -383,15 +402,15 @@ class Engine:
             window = min(ga, length - start)
             position = index - start
         else:
-            position = self._free_micro_steps % ga
+            position = self.step.free_micro_steps % ga
             window = ga
-            self._free_micro_steps += 1
-        self._window_len = window
-        self._window_start = position == 0
-        self._boundary = position + 1 == window
-        self._stepped = False
-        self._micro_backwards = 0
-        self.num_micro_steps += 1
+            self.step.free_micro_steps += 1
+        self.step.window_len = window
+        self.step.window_start = position == 0
+        self.step.boundary = position + 1 == window
+        self.step.stepped = False
+        self.step.micro_backwards = 0
+        self.step.num_micro_steps += 1
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -406,7 +425,7 @@ class Engine:
         try:
             context = (
                 self._backend.micro_step_context(
-                    model, boundary=self._boundary, window_start=self._window_start
+                    model, boundary=self.step.boundary, window_start=self.step.window_start
                 )
                 if model is not None
                 else contextlib.nullcontext()
@@ -436,57 +455,62 @@ class Engine:
             self._begin_micro_step()  # a micro-step of its own, with its own no_sync decision
             if self._model is not None:
                 context = self._backend.micro_step_context(
-                    self._model, boundary=self._boundary, window_start=self._window_start
+                    self._model, boundary=self.step.boundary, window_start=self.step.window_start
                 )
-        elif self._micro_backwards:
+        elif self.step.micro_backwards:
             raise RuntimeError(
                 "`engine.backward` was called twice in one `accumulate()` micro-step; at an accumulation "
                 "boundary DeepSpeed ZeRO-1/2 would keep only the last call's gradients. HINT: add the "
                 "losses and call `engine.backward(total_loss)` once per micro-step."
             )
-        self._micro_backwards += 1
+        self.step.micro_backwards += 1
         self._in_backward = True
         try:
             with context:
-                self._backend.backward(loss, scale=1.0 / self._window_len, boundary=self._boundary)
+                self._backend.backward(loss, scale=1.0 / self.step.window_len, boundary=self.step.boundary)
         finally:
             self._in_backward = False
-        self._grads_pending = True
+        self.step.grads_pending = True
 
     def _optimizer_step(self) -> None:
-        if self._in_accumulate and self._micro_backwards == 0 and self._grads_pending and self._boundary:
+        if (
+            self._in_accumulate
+            and self.step.micro_backwards == 0
+            and self.step.grads_pending
+            and self.step.boundary
+        ):
             raise RuntimeError(
                 "`optimizer.step()` before `engine.backward(loss)` in the last micro-step of an "
                 "accumulation window: this micro-batch's gradients would spill into the next window. "
                 "HINT: inside `accumulate()`, call `engine.backward(loss)` first, then `optimizer.step()`."
             )
-        if not self._boundary or self._stepped or not self._grads_pending:
+        if not self.step.boundary or self.step.stepped or not self.step.grads_pending:
             return  # mid-window, already stepped, or nothing to apply (torch: a no-op too)
         outcome = self._backend.optimizer_step()
-        self._stepped = True
-        self._grads_pending = False
-        self.step_was_skipped = not outcome.applied
+        self.step.stepped = True
+        self.step.grads_pending = False
+        self.step.step_was_skipped = not outcome.applied
         if outcome.applied:
-            self.num_optimizer_steps += 1
-            self._consecutive_skips = 0
+            self.step.num_optimizer_steps += 1
+            self.step.consecutive_skips = 0
         else:
-            self.num_skipped_steps += 1
-            self._consecutive_skips += 1
-        self.grad_norm = outcome.grad_norm
-        self.loss_scale = outcome.loss_scale
+            self.step.num_skipped_steps += 1
+            self.step.consecutive_skips += 1
+        self.step.grad_norm = outcome.grad_norm
+        self.step.loss_scale = outcome.loss_scale
         limit = self.config.max_consecutive_skipped_steps
-        if limit and self._consecutive_skips >= limit:
+        if limit and self.step.consecutive_skips >= limit:
             raise FloatingPointError(
-                f"{self._consecutive_skips} optimizer steps in a row were skipped (non-finite gradients"
+                f"{self.step.consecutive_skips} optimizer steps in a row were skipped (non-finite gradients"
                 f"{'; loss scale ' + str(self.loss_scale) if self.loss_scale is not None else ''}): training "
                 "is not progressing. HINT: lower the learning rate, check the data for inf/nan, use bf16 "
                 "instead of fp16, or raise `max_consecutive_skipped_steps` (0 never raises)."
             )
 
     def _zero_grad(self) -> None:
-        if not self._grads_pending:
+        if not self.step.grads_pending:
             self._backend.zero_grad()  # nothing accumulated since the last step: a plain clear
-        elif self._boundary and self._micro_backwards and not self._stepped:
+        elif self.step.boundary and self.step.micro_backwards and not self.step.stepped:
             raise RuntimeError(
                 "`optimizer.zero_grad()` between `engine.backward(loss)` and `optimizer.step()` at an "
                 "accumulation boundary would discard the window's gradients before they are applied. "
@@ -514,7 +538,7 @@ class Engine:
                 f"`clip_grad_norm_(norm_type={norm_type})`: only the 2-norm is supported "
                 "(DeepSpeed clips by the global 2-norm). HINT: drop `norm_type`."
             )
-        if not self._boundary:
+        if not self.step.boundary:
             return None
         return self._backend.clip_grad_norm_(float(max_norm))
 
@@ -554,6 +578,49 @@ class Engine:
             if reduction == "mean":
                 result = result / dist.get_world_size()
         return result
+
+    # ================================================================= resumable state
+    def state_dict(self) -> dict[str, Any]:
+        """The Engine's own training state: step counters, scheduler, each prepared loader's position.
+
+        What a training checkpoint stores beside the model and optimizer (torchtitan's
+        `Stateful` shape); call it at a boundary, after `optimizer.step()`.
+        """
+        return {
+            **self.step.state_dict(),
+            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+            "dataloaders": [loader.checkpoint_state() for loader in self._dataloaders],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`: prepare the same kinds of objects, in the same order, first.
+
+        Raises:
+            ValueError: the prepared scheduler / dataloaders do not match the saved ones.
+        """
+        scheduler, saved_scheduler = self._scheduler, state["scheduler"]
+        if (scheduler is None) != (saved_scheduler is None):
+            raise ValueError(
+                "the checkpoint "
+                + (
+                    "has a scheduler state but no scheduler was prepared"
+                    if scheduler is None
+                    else "has no scheduler"
+                )
+                + ". HINT: pass the same objects to `engine.prepare` as in the run that saved it."
+            )
+        loaders, saved_loaders = self._dataloaders, state["dataloaders"]
+        if len(loaders) != len(saved_loaders):
+            raise ValueError(
+                f"{len(loaders)} dataloaders are prepared but the checkpoint holds {len(saved_loaders)} "
+                "positions. HINT: prepare the same dataloaders, in the same order, as the run that saved it."
+            )
+        self.step.load_state_dict(state)
+        if scheduler is not None:
+            scheduler.load_state_dict(saved_scheduler)
+            scheduler.sync_optimizer_lr()
+        for index, (loader, saved) in enumerate(zip(loaders, saved_loaders)):
+            loader.load_checkpoint_state(saved, index=index)
 
     # ================================================================= saving
     def get_state_dict(
@@ -652,6 +719,8 @@ class Engine:
             FileNotFoundError: A missing folder or tag (the message lists the tags found).
             ValueError: A folder that is not a checkpoint, a truncated file, or a checkpoint
                 from another backend, ZeRO stage or precision (the message says what to do).
+            UnsafeCheckpointError: A file asks the unpickler for something outside the
+                allowlist (it could run code); the message names the file. A `ValueError`.
         """
         from ds_engine.checkpoint import load_training_checkpoint
 

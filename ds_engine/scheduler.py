@@ -9,12 +9,11 @@ advances `num_processes` times (accelerate's "split_batches=False" trap).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ds_engine.engine import Engine
+from ds_engine.step_state import StepState
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -23,11 +22,19 @@ class PreparedOptimizer(torch.optim.Optimizer):
     `param_groups`, `state` and `defaults` are the real optimizer's, so LR schedulers and
     logging keep working; `step()` asks the Engine to take the step (clipping, overflow check,
     counters) once per accumulation window.
+
+    Args:
+        optimizer: the backend's optimizer (DeepSpeed's wrapper, or accelerate's).
+        step: the Engine's step decision, called by `step()`.
+        zero_grad: the Engine's zero_grad decision, called by `zero_grad()`.
     """
 
-    def __init__(self, optimizer: Any, engine: Engine) -> None:  # no super().__init__: a view
+    def __init__(
+        self, optimizer: Any, *, step: Callable[[], None], zero_grad: Callable[[], None]
+    ) -> None:  # no super().__init__: a view
         self.optimizer = optimizer
-        self._engine = engine
+        self._step = step
+        self._zero_grad = zero_grad
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -60,11 +67,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "`optimizer.step(closure)` is not supported by ds_engine. HINT: call "
                 "`engine.backward(loss)` and then `optimizer.step()` without a closure."
             )
-        self._engine._optimizer_step()
+        self._step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients after a boundary; a no-op while accumulating."""
-        self._engine._zero_grad()
+        self._zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -82,28 +89,28 @@ class OverflowAwareScheduler:
     Args:
         scheduler: a torch `LRScheduler` (including transformers' `get_scheduler` schedules),
             or DeepSpeed's native scheduler when `engine_steps_it` is True.
-        engine: the Engine whose step bookkeeping decides.
+        state: the Engine's step state, which decides.
         engine_steps_it: True when the backend already advances the scheduler itself after an
             applied step (DeepSpeed's native scheduler); `step()` is then always a no-op here.
     """
 
-    def __init__(self, scheduler: Any, engine: Engine, *, engine_steps_it: bool = False) -> None:
+    def __init__(self, scheduler: Any, state: StepState, *, engine_steps_it: bool = False) -> None:
         self.scheduler = scheduler
-        self._engine = engine
+        self._state = state
         self._engine_steps_it = engine_steps_it
         self._last_stepped_for = 0  # the applied-step count this scheduler last advanced for
         self.num_steps = 0
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule if an optimizer step was just applied and not yet counted."""
-        engine = self._engine
+        state = self._state
         if self._engine_steps_it:
             return
-        if not engine.sync_gradients or engine.step_was_skipped:
+        if not state.boundary or state.step_was_skipped:
             return
-        if engine.num_optimizer_steps == self._last_stepped_for:
+        if state.num_optimizer_steps == self._last_stepped_for:
             return  # already advanced for this optimizer step
-        self._last_stepped_for = engine.num_optimizer_steps
+        self._last_stepped_for = state.num_optimizer_steps
         self.num_steps += 1
         self.scheduler.step(*args, **kwargs)
 
@@ -128,9 +135,18 @@ class OverflowAwareScheduler:
         else:  # a bare torch scheduler state
             self.scheduler.load_state_dict(state)
 
+    def sync_optimizer_lr(self) -> None:
+        """Put the restored schedule's current lr into the optimizer (as its last `step()` did)."""
+        optimizer = getattr(self.scheduler, "optimizer", None)
+        last = getattr(self.scheduler, "_last_lr", None)
+        if optimizer is None or not last or len(last) != len(optimizer.param_groups):
+            return
+        for group, lr in zip(optimizer.param_groups, last):
+            group["lr"] = lr
+
     def __getattr__(self, name: str) -> Any:
         # Everything else (optimizer, last_epoch, base_lrs, ...) is the wrapped scheduler's.
-        if name in ("scheduler", "_engine"):
+        if name in ("scheduler", "_state"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
 

@@ -483,6 +483,52 @@ CASES: list[Case] = [
         ValueError,
     ),
     Case(
+        "consolidate_truncated_legacy_model_states",
+        lambda t: (
+            lambda root, path: (
+                torch.save(
+                    {"module": _tiny().state_dict()}, path(root), _use_new_zipfile_serialization=False
+                ),
+                _truncate(path(root)),
+                __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(root, t / "out"),
+            )
+        )(_zero0_layout(t), lambda root: root / "global_step1" / "mp_rank_00_model_states.pt"),
+        r"mp_rank_00_model_states\.pt' is truncated or corrupt",
+        ValueError,
+    ),
+    Case(  # the ZeRO stage is read from it: an unreadable file is never taken for ZeRO-0
+        "consolidate_truncated_optimizer_states",
+        lambda t: (
+            lambda root, path: (
+                torch.save({"optimizer_state_dict": {"zero_stage": 2}}, path(root)),
+                _truncate(path(root)),
+                __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(root, t / "out"),
+            )
+        )(_zero0_layout(t), lambda root: root / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        r"zero_pp_rank_0_mp_rank_00_optim_states\.pt' is truncated or corrupt",
+        ValueError,
+    ),
+    Case(
+        "load_checkpoint_truncated_optimizer_states",
+        lambda t: (lambda c: (_truncate(c / "step_1" / "optimizer_states.pt"), _load_into_fresh(c)))(
+            _saved_checkpoint(t)[0]
+        ),
+        r"optimizer_states\.pt' is truncated or corrupt .*HINT: load an older tag",
+        ValueError,
+    ),
+    Case(  # the loader every checkpoint read goes through; torch.load hands .safetensors to safetensors
+        "restricted_load_truncated_safetensors",
+        lambda t: (
+            __import__("safetensors.torch").torch.save_file(
+                {"w": torch.ones(64)}, str(t / "model.safetensors")
+            ),
+            _truncate(t / "model.safetensors"),
+            __import__("ds_engine.safety").safety.restricted_load(t / "model.safetensors"),
+        ),
+        r"model\.safetensors' is truncated or corrupt",
+        ValueError,
+    ),
+    Case(
         "consolidate_bad_dtype",
         lambda t: __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(
             _zero0_layout(t), t / "out", dtype="int8"

@@ -1,22 +1,24 @@
 """Untrusted files: no code from a checkpoint or a config is ever executed.
 
-A malicious pickle is a file whose unpickling calls a function of the attacker's choice (its
-`__reduce__` names `builtins.exec`); here that function would create a marker file. Each test
-puts such a file where ds_engine reads one, runs the ordinary user call, and asserts that the
-marker never appears and that the call is refused with an error saying why.
-
-Where ds_engine hands a file to DeepSpeed, DeepSpeed unpickles it with
-`torch.load(weights_only=False)` (`deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py`
-and `deepspeed/utils/zero_to_fp32.py`), so ds_engine must refuse such a file before DeepSpeed
-opens it: the DeepSpeed load and the offline consolidate cases show that it does.
+Every checkpoint file ds_engine or DeepSpeed unpickles goes through torch's weights-only
+unpickler with an explicit allowlist (`ds_engine.safety`); nothing predicts what a pickle
+will do from its opcodes. The hostile corpus (`tests/hostile_corpus.py`, one file per shape)
+is first shown to run its payload under an unrestricted `torch.load` in a fresh process; then
+each file goes through the restricted loader, the restricted scope DeepSpeed's loads run in,
+`Engine.load_checkpoint` of a fallback checkpoint and `ds-engine consolidate`, and must be
+refused with an error naming the file and leave no trace (no marker, no import). The same
+corpus goes through a real 2-rank DeepSpeed run in `tests/distributed/test_hostile_checkpoints.py`.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
-import textwrap
+import re
+import shutil
+import subprocess
+import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,34 +27,73 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.checkpoint import consolidate_checkpoint
+from ds_engine.cli import main
 from ds_engine.config import ConfigError
+from ds_engine.safety import (
+    UnsafeCheckpointError,
+    deepspeed_safe_globals,
+    restricted_load,
+    restricted_torch_load,
+)
+from tests.hostile_corpus import CASES, SENTINEL_MODULES, extensions_registered, traces, write
+
+# torch warns when the weights-only unpickler meets a protocol other than 2 (then refuses it)
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+
+_CONTROL = """
+import json, sys, warnings
+from pathlib import Path
+import torch
+from tests.hostile_corpus import CASES, extensions_registered, traces, write
+
+warnings.simplefilter("ignore")
+folder = Path(sys.argv[1])
+left = {}
+with extensions_registered():
+    for case in CASES:
+        path = write(case, folder / f"{case.name}.pt", folder)
+        before = set(traces(folder))
+        try:
+            torch.load(path, weights_only=False)
+        except Exception:
+            pass  # some payloads run before the rest of the file fails to load
+        left[case.name] = sorted(set(traces(folder)) - before)
+print(json.dumps(left))
+"""
 
 
-class Payload:
-    """Unpickling this runs `exec(code)`, which creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.code = f"open({str(marker)!r}, 'w').close()"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (exec, (self.code,))
-
-
-def plant(path: Path, marker: Path, *, zip_format: bool = True) -> None:
-    """Write a malicious pickle to `path`: torch.save's zip archive, or a bare pickle stream."""
-    obj = {"module": Payload(marker), "optimizer_state_dict": {"zero_stage": 2}}
-    if zip_format:
-        torch.save(obj, path)
-    else:
-        path.write_bytes(pickle.dumps(obj, protocol=2))
+@pytest.fixture
+def markers(tmp_path: Path) -> Iterator[Path]:
+    """Where payloads would leave their markers; the EXT codes are registered meanwhile."""
+    assert not [m for m in SENTINEL_MODULES if m in sys.modules], "a sentinel module is imported already"
+    folder = tmp_path / "markers"
+    folder.mkdir()
+    with extensions_registered():
+        yield folder
+    assert traces(folder) == [], "a checkpoint ran code"
 
 
-def test_the_payload_really_runs_code_when_unpickled(tmp_path: Path) -> None:
-    """The control: loading the planted file without `weights_only` creates the marker."""
-    marker = tmp_path / "marker"
-    plant(tmp_path / "evil.pt", marker)
-    torch.load(tmp_path / "evil.pt", weights_only=False)
-    assert marker.exists()
+def test_every_corpus_file_runs_its_payload_when_unpickled_without_restrictions(tmp_path: Path) -> None:
+    """The control, in a fresh process: an unrestricted `torch.load` of each file leaves its trace."""
+    assert len({c.build for c in CASES}) >= 15  # shapes, each its own builder
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", _CONTROL, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    left = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = {c.name: [f"import {c.sentinel}" if c.sentinel else c.name] for c in CASES}
+    assert left == expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_restricted_loader_and_scope_refuse_every_corpus_file(case: Any, markers: Path) -> None:
+    path = write(case, markers.parent / "mp_rank_00_model_states.pt", markers)
+    refused = rf"refusing to load `{re.escape(str(path))}`: unpickling it needs .*HINT: "
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        restricted_load(path, safe_globals=deepspeed_safe_globals(), mmap=True)
+    with restricted_torch_load(deepspeed_safe_globals()), pytest.raises(UnsafeCheckpointError, match=refused):
+        torch.load(path, map_location="cpu", weights_only=False)  # as DeepSpeed asks
 
 
 # --------------------------------------------------------------------------- fallback checkpoints
@@ -80,24 +121,17 @@ def _saved(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("zip_format", [True, False], ids=["torch_save_zip", "bare_pickle"])
-@pytest.mark.parametrize(
-    "name", ["engine_state.pt", "model_states.pt", "optimizer_states.pt", "rng_state_rank0.pt"]
-)
-def test_malicious_file_in_a_fallback_checkpoint_is_refused(
-    tmp_path: Path, name: str, zip_format: bool
-) -> None:
+def test_a_fallback_checkpoint_with_any_corpus_file_is_refused(tmp_path: Path, markers: Path) -> None:
     ckpt = _saved(tmp_path)
-    marker = tmp_path / "marker"
-    plant(ckpt / "t1" / name, marker, zip_format=zip_format)
     engine, *_ = _prepared()
-    # a torch.save zip is refused for what it would call; a bare pickle is not a torch.save file at all
-    expected = "could execute code" if zip_format else "truncated or corrupt"
-    with pytest.raises(ValueError, match=rf"(?s){name}.*{expected}.*HINT") as info:
-        engine.load_checkpoint(ckpt)
-    assert not marker.exists(), "the checkpoint ran code"
-    if zip_format:
-        assert "exec" in str(info.value)  # names the callable it refused
+    victims = ["engine_state.pt", "model_states.pt", "optimizer_states.pt", "rng_state_rank0.pt"]
+    for index, case in enumerate(CASES):
+        tag, victim = f"h{index}", victims[index % len(victims)]
+        shutil.copytree(ckpt / "t1", ckpt / tag)
+        write(case, ckpt / tag / victim, markers)
+        with pytest.raises(UnsafeCheckpointError, match=rf"refusing to load `.*/{tag}/{victim}`: .*HINT"):
+            engine.load_checkpoint(ckpt, tag=tag)
+    assert engine.load_checkpoint(ckpt, tag="t1") == {}  # the control: the untouched tag loads
 
 
 # --------------------------------------------------------------------------- offline consolidate
@@ -117,33 +151,44 @@ def test_a_benign_zero0_checkpoint_consolidates(tmp_path: Path) -> None:
     assert (out / "model.safetensors").is_file()
 
 
-def test_consolidate_refuses_a_malicious_model_states_file(tmp_path: Path) -> None:
+def test_consolidate_refuses_every_corpus_file(
+    tmp_path: Path, markers: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ds-engine consolidate`: the model-states file, or the optimizer file it reads the stage from."""
     root = _zero0_checkpoint(tmp_path)
-    marker = tmp_path / "marker"
-    plant(root / "global_step1" / "mp_rank_00_model_states.pt", marker)
-    with pytest.raises(ValueError, match=r"mp_rank_00_model_states\.pt"):
-        consolidate_checkpoint(root, tmp_path / "out")
-    assert not marker.exists(), "consolidate ran code from the checkpoint"
+    victims = ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    for index, case in enumerate(CASES):
+        tag, victim, out = f"h{index}", victims[index % len(victims)], tmp_path / f"out{index}"
+        shutil.copytree(root / "global_step1", root / tag)
+        write(case, root / tag / victim, markers)
+        assert main(["consolidate", str(root), str(out), "--tag", tag]) == 2
+        error = capsys.readouterr().err
+        assert re.fullmatch(rf"ds-engine: error: refusing to load `.*/{tag}/{victim}`: .*HINT: .*\n", error)
+        assert not out.exists()
 
 
-def test_consolidate_refuses_a_malicious_optimizer_states_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_an_optimizer_file_without_a_stage_is_never_read_as_zero0(tmp_path: Path, zip_format: bool) -> None:
+    """The stage decides what is read: an unknown optimizer file stops consolidation, named."""
     root = _zero0_checkpoint(tmp_path)
-    marker = tmp_path / "marker"
-    plant(root / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
-    with pytest.raises(ValueError, match=r"optim_states\.pt"):
+    path = root / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer": {}}, path, _use_new_zipfile_serialization=zip_format)
+    with pytest.raises(
+        ValueError,
+        match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt' holds no `optimizer_state_dict` \(found "
+        r"\['optimizer'\]\), so its ZeRO stage is unknown\. HINT: ",
+    ):
         consolidate_checkpoint(root, tmp_path / "out")
-    assert not marker.exists(), "consolidate ran code from the checkpoint"
+    assert not (tmp_path / "out").exists()
 
 
-def test_consolidate_never_opens_a_pytorch_model_bin(tmp_path: Path) -> None:
+def test_consolidate_never_opens_a_pytorch_model_bin(tmp_path: Path, markers: Path) -> None:
     root = tmp_path / "ckpt"
     (root / "t").mkdir(parents=True)
     (root / "latest").write_text("t")
-    marker = tmp_path / "marker"
-    plant(root / "t" / "pytorch_model.bin", marker)
+    write(CASES[0], root / "t" / "pytorch_model.bin", markers)
     with pytest.raises(ValueError, match=r"is not a DeepSpeed checkpoint"):
         consolidate_checkpoint(root, tmp_path / "out")
-    assert not marker.exists()
 
 
 # --------------------------------------------------------------------------- configs are data
@@ -181,59 +226,3 @@ def test_a_json_config_is_only_data(tmp_path: Path) -> None:
     path.write_text(json.dumps({"steps_per_print": 0, "comment": code}))
     assert load_json_config(path)["comment"] == code
     assert not marker.exists()
-
-
-# --------------------------------------------------------------------------- DeepSpeed's loader
-_DS_SCRIPT = textwrap.dedent(
-    """
-    import json, pickle, sys, warnings
-    from pathlib import Path
-    import torch
-    sys.path.insert(0, {tests!r})
-    from test_untrusted_files import plant
-    from ds_engine import Engine
-
-    out, stage, name = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    warnings.simplefilter("ignore")
-    engine = Engine(backend="deepspeed", zero_stage=stage, micro_batch_size=2)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    engine.backward(model(torch.ones(2, 4)).sum())
-    optimizer.step(); optimizer.zero_grad()
-    engine.save_checkpoint(out / "ckpt", tag="t1")
-    files = sorted(p.name for p in (out / "ckpt" / "t1").iterdir())
-    victim = next(p for p in (out / "ckpt" / "t1").iterdir() if p.name.endswith(name))
-    plant(victim, out / "marker")
-    try:
-        engine.load_checkpoint(out / "ckpt")
-        error = None
-    except Exception as exc:
-        error = f"{{type(exc).__name__}}: {{exc}}"
-    (out / "result.json").write_text(json.dumps(
-        {{"files": files, "victim": victim.name, "error": error, "ran": (out / "marker").exists()}}
-    ))
-    """
-)
-
-
-def _deepspeed_load(tmp_path: Path, stage: int, name: str) -> dict[str, Any]:
-    from tests.distributed.launcher import run_command, torchrun_command, worker_env
-
-    script = tmp_path / "ds_load.py"
-    script.write_text(_DS_SCRIPT.format(tests=str(Path(__file__).parent)))
-    cmd = torchrun_command(script, str(tmp_path), str(stage), name, nproc=1)
-    result = run_command(cmd, timeout=240, env=worker_env())
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((tmp_path / "result.json").read_text())
-
-
-@pytest.mark.deepspeed
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("stage", "name"), [(0, "model_states.pt"), (2, "optim_states.pt")], ids=["zero0", "zero2"]
-)
-def test_deepspeed_checkpoint_with_a_malicious_file_is_refused(tmp_path: Path, stage: int, name: str) -> None:
-    result = _deepspeed_load(tmp_path, stage, name)
-    assert result["error"] is not None and result["victim"] in result["error"], result
-    assert not result["ran"], f"loading {result['victim']} ran code from the checkpoint"
