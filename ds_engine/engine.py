@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ds_engine._imports import INSTALL_HINT, deepspeed_unavailable_reason, require_deepspeed
-from ds_engine.backends.base import Backend
+from ds_engine.backends import select_backend
+from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer
@@ -30,35 +30,6 @@ from ds_engine.step_state import StepState
 
 #: Environment variable `ds-engine launch --config` uses to hand a config to `Engine()`.
 CONFIG_ENV = "DS_ENGINE_CONFIG"
-
-_BACKENDS = ("auto", "deepspeed", "accelerate")
-
-
-def _select_backend(backend: str) -> type[Backend]:
-    if backend not in _BACKENDS:
-        raise ConfigError(
-            f"`backend={backend!r}` is not a backend; allowed: {', '.join(_BACKENDS)}. "
-            "HINT: use backend='auto'."
-        )
-    if backend == "deepspeed":
-        require_deepspeed()
-    if backend == "auto":
-        reason = deepspeed_unavailable_reason()
-        if reason:
-            warnings.warn(
-                f"ds_engine: {reason}; using the plain-accelerate fallback (DDP). HINT: {INSTALL_HINT}",
-                stacklevel=3,
-            )
-            backend = "accelerate"
-        else:
-            backend = "deepspeed"
-    if backend == "deepspeed":
-        from ds_engine.backends.deepspeed import DeepSpeedBackend
-
-        return DeepSpeedBackend
-    from ds_engine.backends.accelerate import AccelerateBackend
-
-    return AccelerateBackend
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -100,7 +71,7 @@ class Engine:
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         user_config, base = check_engine_arguments(config, choices, world_size=world_size)
-        backend_cls = _select_backend(backend)
+        backend_cls = select_backend(backend)
         self._backend = backend_cls(user_config, base)
         self._ended = False
         self.config: EngineConfig = self._backend.effective
@@ -375,7 +346,7 @@ class Engine:
 
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
-                for tensor in _iter_tensors(output):
+                for tensor in iter_tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(check)
 
@@ -519,7 +490,7 @@ class Engine:
         # else: mid-window, or at the start of a boundary micro-step: keep accumulating
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> float | None:
-        """Clip to `max_norm`, which must equal the config's `gradient_clipping`.
+        """Clip every trained parameter to `max_norm`, which must equal the config's `gradient_clipping`.
 
         DeepSpeed clips inside its optimizer step with the config's value, so a different
         `max_norm` would be silently ignored there; ds_engine refuses it on every backend.
@@ -538,9 +509,29 @@ class Engine:
                 f"`clip_grad_norm_(norm_type={norm_type})`: only the 2-norm is supported "
                 "(DeepSpeed clips by the global 2-norm). HINT: drop `norm_type`."
             )
+        self._check_clipped_parameters(parameters)
         if not self.step.boundary:
             return None
         return self._backend.clip_grad_norm_(float(max_norm))
+
+    def _check_clipped_parameters(self, parameters: Any) -> None:
+        """Refuse a parameter set other than the model's: clipping is global to every backend."""
+        if self._model is None:
+            raise RuntimeError(
+                "`clip_grad_norm_` before `prepare`. HINT: engine.prepare(model, optimizer, ...) first."
+            )
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        module = self.unwrap_model(self._model)
+        every = {id(p) for p in module.parameters()}
+        trained = {id(p) for p in module.parameters() if p.requires_grad}
+        ids = {id(p) for p in given}
+        if not trained <= ids or not ids <= every:
+            raise ConfigError(
+                f"`clip_grad_norm_` got {len(ids & trained)} of the model's {len(trained)} trained "
+                f"parameters{' and tensors that are not its parameters' if not ids <= every else ''}; "
+                "DeepSpeed clips the global norm of every trained parameter inside its step, so a "
+                "subset cannot be clipped on its own. HINT: pass `model.parameters()`."
+            )
 
     # ================================================================= utilities
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -556,7 +547,7 @@ class Engine:
         """Concatenate tensors (nested structures too) from every rank along dim 0."""
         if not self._dist() or dist.get_world_size() == 1:
             return data
-        return _map_tensors(data, _all_gather_cat)
+        return map_tensors(data, all_gather_cat)
 
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the duplicates padded into the last batch of an epoch."""
@@ -566,7 +557,7 @@ class Engine:
             return gathered
         seen = loader.batch_index * loader.batch_size * self.num_processes
         remaining = loader.num_samples - seen
-        return _map_tensors(gathered, lambda t: t[:remaining] if t.dim() > 0 else t)
+        return map_tensors(gathered, lambda t: t[:remaining] if t.dim() > 0 else t)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         """All-reduce a tensor across ranks ("sum" or "mean"); returns a new tensor."""
@@ -725,50 +716,6 @@ class Engine:
         from ds_engine.checkpoint import load_training_checkpoint
 
         return load_training_checkpoint(self, directory, tag=tag)
-
-
-def _iter_tensors(data: Any) -> Iterator[torch.Tensor]:
-    if isinstance(data, torch.Tensor):
-        yield data
-    elif isinstance(data, Mapping):
-        for value in data.values():
-            yield from _iter_tensors(value)
-    elif isinstance(data, (list, tuple)):
-        for value in data:
-            yield from _iter_tensors(value)
-
-
-def _map_tensors(data: Any, fn: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, Mapping):
-        return type(data)({k: _map_tensors(v, fn) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
-    return data
-
-
-def _all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
-    """all_gather along dim 0, allowing a different dim-0 size per rank."""
-    world = dist.get_world_size()
-    t = tensor.detach()
-    if t.dim() == 0:
-        t = t.unsqueeze(0)
-    dtype = t.dtype
-    if dtype == torch.bool:
-        t = t.to(torch.uint8)
-    t = t.contiguous()
-    size = torch.tensor([t.shape[0]], device=t.device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    counts = [int(s.item()) for s in sizes]
-    biggest = max(counts)
-    if t.shape[0] < biggest:
-        t = torch.cat([t, t.new_zeros((biggest - t.shape[0], *t.shape[1:]))])
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t)
-    out = torch.cat([p[:n] for p, n in zip(parts, counts)])
-    return out.to(dtype) if dtype == torch.bool else out
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

@@ -297,10 +297,6 @@ class AccelerateBackend(Backend):
 
         return consolidated_state_dict(self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen)
 
-    def iter_models(self) -> Any:
-        if self.model is not None:
-            yield self.model
-
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
         from ds_engine.checkpoint import save_full_states

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,12 +145,6 @@ class Backend(abc.ABC):
     def unhonoured_choices(self) -> list[str]:
         """Config choices this backend cannot carry out, in words (reported, never dropped)."""
         return []
-
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        return {}
-
-    def iter_models(self) -> Iterator[torch.nn.Module]:
-        return iter(())
 
     # -------------------------------------------------------------- checkpoints
     @abc.abstractmethod

@@ -49,15 +49,18 @@ class DeepSpeedBackend(Backend):
         require_deepspeed()
         super().__init__(config, base)
         # DeepSpeed calls torch.distributed APIs torch has deprecated, once per collective; the
-        # warning is not the user's to act on and would flood every training log.
+        # warning is not the user's to act on and would flood every training log. Only warnings
+        # attributed to DeepSpeed's own modules (torch warns at its caller) are silenced: the
+        # user's own calls of those APIs still warn.
         warnings.filterwarnings(
-            "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+            "ignore",
+            message=r"`torch\.distributed\.\w+` is deprecated",
+            category=FutureWarning,
+            module=r"deepspeed\.",
         )
         self.ds_engine: Any = None
         self._ds_config: dict[str, Any] | None = None
         self._coalesce: contextlib.ExitStack | None = None
-        self._init_config: dict[str, Any] | None = None
-        self._hf_ds_config: Any = None
 
     # -------------------------------------------------------------- process group
     def setup_distributed(self) -> None:
@@ -109,7 +112,6 @@ class DeepSpeedBackend(Backend):
             micro_batch_size=None if known else 1,
             hidden_size=1,  # placeholder for "auto" bucket sizes: zero.Init does not use them
         )
-        self._init_config = init_config
         hf_ds_config = None
         try:  # tell transformers for exactly as long as the context lasts
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
@@ -329,10 +331,6 @@ class DeepSpeedBackend(Backend):
         return consolidated_state_dict(
             self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen, ds_engine=self.ds_engine
         )
-
-    def iter_models(self) -> Iterator[torch.nn.Module]:
-        if self.ds_engine is not None:
-            yield self.ds_engine
 
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
