@@ -116,6 +116,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     from typing import Any
 
     from ds_engine import memory
+    from ds_engine._values import parse_size
 
     def parse(flag: str, text: str | None, parser: Callable[[str], int]) -> int | None:
         if text is None:
@@ -134,8 +135,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
         args.model if args.model is not None else parse("--params", args.params, memory.parse_count)
     )
     largest = parse("--largest-layer", args.largest_layer, memory.parse_count)
-    budget = parse("--budget", args.budget, memory.parse_size)
-    host_budget = parse("--host-budget", args.host_budget, memory.parse_size)
+    budget = parse("--budget", args.budget, parse_size)
+    host_budget = parse("--host-budget", args.host_budget, parse_size)
     common: dict[str, Any] = dict(
         largest_layer_params=largest,
         num_gpus_per_node=args.gpus_per_node,
@@ -250,7 +251,7 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from ds_engine.checkpoint import consolidate_checkpoint
+    from ds_engine.consolidate import consolidate_checkpoint
 
     out = consolidate_checkpoint(
         args.checkpoint_dir,

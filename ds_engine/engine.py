@@ -63,16 +63,17 @@ class Engine:
     ) -> None:
         if config is None and os.environ.get(CONFIG_ENV):
             config = os.environ[CONFIG_ENV]
-        # Everything we can check without a process group, checked now and reported in one
-        # ConfigError: bad or misspelt choices, unknown JSON keys, wrong types, conflicts with
-        # the JSON, impossible stage/offload combinations, optimizer/scheduler blocks, and the
-        # batch triangle against the real world size.
-        from ds_engine.ds_config import check_engine_arguments
+        # The one resolution of this run, before any process group: every problem we can see
+        # (bad or misspelt choices, unknown JSON keys, wrong types, conflicts with the JSON,
+        # impossible stage/offload combinations, optimizer/scheduler blocks, the batch triangle
+        # against the real world size) in one ConfigError. The backend reads the result and
+        # never resolves again.
+        from ds_engine.config import resolve_config
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        user_config, base = check_engine_arguments(config, choices, world_size=world_size)
+        resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
-        self._backend = backend_cls(user_config, base)
+        self._backend = backend_cls(resolved)
         self._ended = False
         self.config: EngineConfig = self._backend.effective
         """The effective high-level choices (after merging the JSON)."""
@@ -103,7 +104,7 @@ class Engine:
     @property
     def ds_config(self) -> dict[str, Any] | None:
         """The final DeepSpeed JSON after `prepare` (None on the fallback or before `prepare`)."""
-        return self._backend.ds_config
+        return self._backend.native_config()
 
     @property
     def sync_gradients(self) -> bool:
@@ -643,12 +644,9 @@ class Engine:
         crash never leaves a folder that looks complete. Under ZeRO-3 weights are gathered
         and written shard by shard: rank 0 never holds more than one shard plus one layer.
         """
-        from ds_engine.checkpoint import save_pretrained
-
-        save_pretrained(
+        self._backend.save_pretrained(
             self.unwrap_model(model),
             save_directory,
-            ds_engine=self._backend.ds_engine,
             tokenizer=tokenizer,
             max_shard_size=max_shard_size,
             safe_serialization=safe_serialization,
@@ -688,7 +686,15 @@ class Engine:
         """
         from ds_engine.checkpoint import save_training_checkpoint
 
-        save_training_checkpoint(self, directory, tag=tag, client_state=client_state, keep_last=keep_last)
+        save_training_checkpoint(
+            directory,
+            backend=self._backend,
+            model=None if self._model is None else self.unwrap_model(self._model),
+            state=self,
+            tag=tag,
+            client_state=client_state,
+            keep_last=keep_last,
+        )
 
     def load_checkpoint(self, directory: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
         """Resume from `save_checkpoint`'s folder. Collective; call it after `prepare`.
@@ -715,7 +721,9 @@ class Engine:
         """
         from ds_engine.checkpoint import load_training_checkpoint
 
-        return load_training_checkpoint(self, directory, tag=tag)
+        return load_training_checkpoint(
+            directory, backend=self._backend, model=self._model, state=self, tag=tag
+        )
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

@@ -17,7 +17,6 @@ With `--config`, the absolute path of the DeepSpeed JSON is exported to the work
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -28,10 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Environment variable through which `--config` reaches `Engine()` in every worker.
-CONFIG_ENV = "DS_ENGINE_CONFIG"
+from ds_engine.ds_config import PRESETS, preset_path
+from ds_engine.engine import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
 
-_REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
@@ -68,34 +66,8 @@ class LaunchSpec:
 
 
 def available_presets() -> list[str]:
-    """Names of the preset DeepSpeed configs shipped in `configs/`."""
-    presets = getattr(_ds_config_module(), "PRESETS", None)
-    if presets is not None:
-        return sorted(presets)
-    return sorted(p.stem for p in _REPO_CONFIGS.glob("*.json"))
-
-
-def _ds_config_module() -> object:
-    try:
-        return importlib.import_module("ds_engine.ds_config")
-    except ImportError:
-        return None
-
-
-def _preset_path(name: str) -> Path:
-    # ds_config.preset_path is the single source of truth once it exists; until then the
-    # presets are `<repo>/configs/<name>.json`.
-    preset_path = getattr(_ds_config_module(), "preset_path", None)
-    if preset_path is None:
-        path = _REPO_CONFIGS / f"{name}.json"
-        if not path.is_file():
-            raise LaunchError(
-                f"`--config` {name!r} is neither a file nor a preset; presets: "
-                f"{', '.join(available_presets()) or '(none found)'}. "
-                "HINT: pass a preset name or the path of a DeepSpeed JSON file"
-            ) from None
-        return path
-    return Path(preset_path(name))
+    """Names of the preset DeepSpeed configs shipped in the package (`ds_engine/configs/`)."""
+    return sorted(PRESETS)
 
 
 def resolve_config(value: str) -> Path:
@@ -108,7 +80,8 @@ def resolve_config(value: str) -> Path:
         The absolute path of the JSON file.
 
     Raises:
-        LaunchError: the file does not exist, is not a JSON object, or the name is no preset.
+        LaunchError: the file does not exist or is not a JSON object.
+        ConfigError: the name is no preset (`ds_config.preset_path` lists them).
     """
     path = Path(value).expanduser()
     looks_like_path = path.suffix == ".json" or os.sep in value or path.exists()
@@ -119,7 +92,7 @@ def resolve_config(value: str) -> Path:
                 f"HINT: give an existing DeepSpeed JSON or a preset ({', '.join(available_presets())})"
             )
     else:
-        path = _preset_path(value)
+        path = preset_path(value)  # importlib.resources; a ConfigError names the presets
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -85,6 +85,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args
 
+from ds_engine._values import parse_size
+
 if TYPE_CHECKING:
     import torch
 
@@ -600,22 +602,6 @@ def recommend_config(
 
 
 # --------------------------------------------------------------------------- units
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -633,11 +619,6 @@ def _parse(text: str, units: dict[str, int], what: str, example: str) -> int:
     if value <= 0 or not math.isfinite(value):
         raise ValueError(f"{what} {text!r} must be positive. HINT: e.g. {example}")
     return round(value)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `80GB` (1e9), `512GiB` (2**30), `1.5e9`, `24G`. Raises ValueError."""
-    return _parse(text, _SIZE_UNITS, "size", "80GB or 512GiB")
 
 
 def parse_count(text: str) -> int:

@@ -93,7 +93,7 @@ def main() -> None:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ds_engine.checkpoint import consolidated_state_dict, save_pretrained
+    from ds_engine.backends.deepspeed_states import consolidated_state_dict, save_pretrained
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()

@@ -46,9 +46,18 @@ def select_backend(name: str) -> type[Backend]:
             name = "accelerate"
         else:
             name = "deepspeed"
+    return backend_class(name)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as `name` ("deepspeed" or "accelerate"), imported now.
+
+    Raises:
+        KeyError: `name` is not a registered backend.
+    """
     module, cls = _REGISTRY[name]
     backend: type[Backend] = getattr(importlib.import_module(module), cls)
     return backend
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "select_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "backend_class", "select_backend"]

@@ -26,13 +26,14 @@ import contextlib
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
-from ds_engine.config import EngineConfig
+from ds_engine.config import EngineConfig, ResolvedConfig
 
 #: The process group's distributed type before any FSDP plugin upgraded it (process-wide, as
 #: accelerate's own state is).
@@ -50,7 +51,7 @@ class AccelerateBackend(Backend):
 
     name = "accelerate"
 
-    def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
+    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
         super().__init__(config, base)
         self.accelerator: Any = None
         self.model: torch.nn.Module | None = None
@@ -290,16 +291,11 @@ class AccelerateBackend(Backend):
         self.setup_distributed()
         return self.accelerator.autocast()
 
-    def get_state_dict(
-        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
-    ) -> dict[str, torch.Tensor] | None:
-        from ds_engine.checkpoint import consolidated_state_dict
-
-        return consolidated_state_dict(self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen)
-
     # -------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        from ds_engine.checkpoint import save_full_states
+    # (full states, any world size: `accelerate_states.py`; weights are read by the base's
+    # default gather, FSDP2 DTensor shards through `full_tensor()`)
+    def save_states(self, directory: Path, tag: str) -> None:
+        from ds_engine.backends.accelerate_states import save_full_states
 
         assert self.model is not None
         save_full_states(
@@ -309,8 +305,8 @@ class AccelerateBackend(Backend):
             scaler=self.accelerator.scaler,
         )
 
-    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
-        from ds_engine.checkpoint import load_full_states
+    def load_states(self, directory: Path, tag: str, meta: Mapping[str, Any]) -> None:
+        from ds_engine.backends.accelerate_states import load_full_states
 
         assert self.model is not None
         load_full_states(
@@ -319,4 +315,3 @@ class AccelerateBackend(Backend):
             optimizer=self.optimizer,
             scaler=self.accelerator.scaler,
         )
-        return {}

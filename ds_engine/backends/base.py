@@ -10,13 +10,16 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ds_engine.config import EngineConfig, resolve_engine_config
+from ds_engine import weights
+from ds_engine.config import EngineConfig, ResolvedConfig, resolve_config
 
 _TEARDOWN_REGISTERED = False
 
@@ -65,13 +68,23 @@ class Backend(abc.ABC):
     """A training backend: process group, model wrapping, backward and optimizer step."""
 
     name: str = ""
-    ds_engine: Any = None
-    """The DeepSpeedEngine after `prepare` (None on other backends)."""
 
-    def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
-        self.config = config  # the user's choices (explicit fields tracked)
-        self.base = base  # the user's DeepSpeed JSON, if any
-        self.effective = resolve_engine_config(config, base)  # choices after merging `base`
+    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
+        """Take the run's resolved configuration (the Engine resolves once); never resolve again.
+
+        Args:
+            config: The `ResolvedConfig` of `config.resolve_config`. An `EngineConfig` (with its
+                `base` JSON) is resolved here, once, for a backend built on its own.
+            base: Only with an `EngineConfig`: the DeepSpeed JSON to merge into it.
+        """
+        if not isinstance(config, ResolvedConfig):
+            config = resolve_config(config, base=base, world_size=None)
+        elif base is not None:
+            raise TypeError("a ResolvedConfig holds its base JSON already; pass no `base` with it")
+        self.resolved = config
+        self.config = config.user  # the user's choices (explicit fields tracked)
+        self.base = config.base  # the user's DeepSpeed JSON, if any
+        self.effective = config.effective  # choices after merging `base`
 
     # -------------------------------------------------------------- process group
     @abc.abstractmethod
@@ -132,25 +145,61 @@ class Backend(abc.ABC):
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    @abc.abstractmethod
-    def get_state_dict(
-        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
-    ) -> dict[str, torch.Tensor] | None:
-        """Full state dict on rank 0, None elsewhere (collective)."""
-
-    @property
-    def ds_config(self) -> dict[str, Any] | None:
+    def native_config(self) -> dict[str, Any] | None:
+        """The config in the backend library's own format after `prepare` (DeepSpeed's JSON);
+        None where the library has none, or before `prepare`."""
         return None
 
     def unhonoured_choices(self) -> list[str]:
         """Config choices this backend cannot carry out, in words (reported, never dropped)."""
         return []
 
+    # -------------------------------------------------------------- weights
+    def weight_gather(self) -> weights.WeightGather:
+        """How this backend's parameters are read whole (`get_state_dict`, `save_pretrained`)."""
+        return weights.WeightGather()
+
+    def get_state_dict(
+        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """Full state dict on rank 0, None elsewhere (collective)."""
+        return weights.consolidated_state_dict(
+            self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen, gather=self.weight_gather()
+        )
+
+    def save_pretrained(
+        self, model: torch.nn.Module, save_directory: str | os.PathLike[str], **options: Any
+    ) -> None:
+        """Write `model` as a `from_pretrained` folder (collective); `options` as in
+        `ds_engine.weights.save_pretrained` (tokenizer, max_shard_size, dtype, ...)."""
+        weights.save_pretrained(
+            self.unwrap_model(model), save_directory, gather=self.weight_gather(), **options
+        )
+
     # -------------------------------------------------------------- checkpoints
+    @classmethod
+    def checkpoint_safe_globals(cls) -> tuple[Any, ...]:
+        """What the unpickler may build, beyond tensors and containers, from this backend's state files."""
+        return ()
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """What this backend records in a tag's `ds_engine_meta.json` (beside the generic keys)."""
+        return {"backend": self.name, "precision": self.effective.precision}
+
+    def check_checkpoint(self, meta: Mapping[str, Any], tag_dir: Path) -> str:
+        """'' when this backend can load the tag `meta` (its metadata, same backend) describes,
+        else the error message. Rank 0 only: no collective."""
+        return ""
+
+    def checkpoint_companions(self, tag: str) -> list[str]:
+        """Folders beside tag `tag` that belong to it (caches), removed with it by `keep_last`."""
+        return []
+
     @abc.abstractmethod
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+    def save_states(self, directory: Path, tag: str) -> None:
         """Write model + optimizer states into `directory / tag` (collective)."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
-        """Load model + optimizer states from `directory / tag` (collective); returns client_state."""
+    def load_states(self, directory: Path, tag: str, meta: Mapping[str, Any]) -> None:
+        """Load model + optimizer states from `directory / tag` (collective); `meta` is the tag's
+        metadata (e.g. the world size that wrote it)."""

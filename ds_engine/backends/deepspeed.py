@@ -6,11 +6,10 @@ DeepSpeed is imported lazily, inside methods, so this module imports without it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ import torch
 
 from ds_engine._imports import require_deepspeed
 from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
-from ds_engine.config import ConfigError, EngineConfig
-from ds_engine.ds_config import build_ds_config, deepspeed_bucket_fallbacks, hidden_size_from_model
+from ds_engine.config import ConfigError, EngineConfig, ResolvedConfig
+from ds_engine.ds_config import deepspeed_bucket_fallbacks, hidden_size_from_model, render_ds_config
+from ds_engine.weights import WeightGather
 
 
 def _ensure_launch_env() -> None:
@@ -45,7 +45,7 @@ class DeepSpeedBackend(Backend):
 
     name = "deepspeed"
 
-    def __init__(self, config: EngineConfig, base: dict[str, Any] | None) -> None:
+    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
         require_deepspeed()
         super().__init__(config, base)
         # DeepSpeed calls torch.distributed APIs torch has deprecated, once per collective; the
@@ -105,10 +105,9 @@ class DeepSpeedBackend(Backend):
         # zero.Init needs a config whose batch triangle DeepSpeed accepts; the real micro
         # batch is not known yet, so build one with a placeholder that `prepare` replaces.
         known = self.effective.micro_batch_size != "auto" or "train_batch_size" in (self.base or {})
-        init_config = build_ds_config(
+        init_config = render_ds_config(
             self._config_for(None),
             world_size=dist.get_world_size(),
-            base=self.base,
             micro_batch_size=None if known else 1,
             hidden_size=1,  # placeholder for "auto" bucket sizes: zero.Init does not use them
         )
@@ -148,10 +147,9 @@ class DeepSpeedBackend(Backend):
         import deepspeed
 
         self.setup_distributed()
-        ds_config = build_ds_config(
+        ds_config = render_ds_config(
             self._config_for(model),
             world_size=facts["world_size"],
-            base=self.base,
             model=model,
             dataloader=facts.get("dataloader"),
             optimizer=optimizer,
@@ -181,18 +179,18 @@ class DeepSpeedBackend(Backend):
         self._ds_config = ds_config
         return engine, ds_optimizer, ds_scheduler
 
-    def _config_for(self, model: torch.nn.Module | None) -> EngineConfig:
-        """The user's choices, with DeepSpeed's bucket defaults where "auto" has no hidden size.
+    def _config_for(self, model: torch.nn.Module | None) -> ResolvedConfig:
+        """The run's resolution, with DeepSpeed's bucket defaults where "auto" has no hidden size.
 
         A plain `nn.Module` has no `config.hidden_size` (and zero.Init has no model yet); bucket
         sizes the user did not ask for then take DeepSpeed's own defaults, by the one rule
         `build_ds_config` applies too (`ds_config.deepspeed_bucket_fallbacks`). An "auto" the
-        user asked for still has to be filled.
+        user asked for still has to be filled. Nothing is resolved again.
         """
         if hidden_size_from_model(model) is not None:
-            return self.config
+            return self.resolved
         fill = deepspeed_bucket_fallbacks(self.config, self.base, zero_stage=self.effective.zero_stage)
-        return dataclasses.replace(self.config, **fill) if fill else self.config  # type: ignore[arg-type]
+        return self.resolved.with_effective(**fill) if fill else self.resolved
 
     def _maybe_offload_optimizer(
         self, optimizer: torch.optim.Optimizer | None, ds_config: dict[str, Any], scheduler: Any
@@ -323,25 +321,52 @@ class DeepSpeedBackend(Backend):
             model = model.module
         return model
 
-    def get_state_dict(
-        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
-    ) -> dict[str, torch.Tensor] | None:
-        from ds_engine.checkpoint import consolidated_state_dict
+    def native_config(self) -> dict[str, Any] | None:
+        return self._ds_config
 
-        return consolidated_state_dict(
-            self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen, ds_engine=self.ds_engine
-        )
+    # -------------------------------------------------------------- weights and checkpoints
+    # (the work is in `deepspeed_states.py`: ZeRO gathers, fp32 masters, DeepSpeed's own files)
+    def weight_gather(self) -> WeightGather:
+        from ds_engine.backends.deepspeed_states import DeepSpeedGather
 
-    # -------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-        from ds_engine.checkpoint import save_deepspeed_states
+        return DeepSpeedGather(self.ds_engine)
 
-        save_deepspeed_states(self.ds_engine, directory, tag, client_state)
+    @classmethod
+    def checkpoint_safe_globals(cls) -> tuple[Any, ...]:
+        from ds_engine.safety import deepspeed_safe_globals
 
-    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
-        from ds_engine.checkpoint import load_deepspeed_states
+        return deepspeed_safe_globals()
 
-        return load_deepspeed_states(self.ds_engine, directory, tag)
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        from ds_engine._imports import deepspeed_version
+
+        version = deepspeed_version()
+        return {
+            **super().checkpoint_metadata(),
+            "zero_stage": int(self.effective.zero_stage),
+            "deepspeed_version": None if version is None else str(version),
+        }
+
+    def check_checkpoint(self, meta: Mapping[str, Any], tag_dir: Path) -> str:
+        from ds_engine.backends.deepspeed_states import checkpoint_problem
+
+        eff = self.effective
+        return checkpoint_problem(meta, tag_dir, zero_stage=int(eff.zero_stage), precision=eff.precision)
+
+    def checkpoint_companions(self, tag: str) -> list[str]:
+        from ds_engine.backends.deepspeed_states import UNIVERSAL_SUFFIX
+
+        return [tag + UNIVERSAL_SUFFIX]  # the universal checkpoint converted from it, if any
+
+    def save_states(self, directory: Path, tag: str) -> None:
+        from ds_engine.backends.deepspeed_states import save_deepspeed_states
+
+        save_deepspeed_states(self.ds_engine, directory, tag, {})
+
+    def load_states(self, directory: Path, tag: str, meta: Mapping[str, Any]) -> None:
+        from ds_engine.backends.deepspeed_states import load_deepspeed_checkpoint
+
+        load_deepspeed_checkpoint(self.ds_engine, directory, tag, meta)
 
 
 def _local_grad_norm(module: torch.nn.Module) -> float:

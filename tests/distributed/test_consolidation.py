@@ -32,8 +32,8 @@ def launched(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(launched):
     """consolidate_checkpoint (and the CLI) on both ZeRO-3 checkpoints, with no process group."""
-    from ds_engine.checkpoint import consolidate_checkpoint
     from ds_engine.cli import main as cli_main
+    from ds_engine.consolidate import consolidate_checkpoint
 
     out, _ = launched
     folders = {}

@@ -451,13 +451,15 @@ CASES: list[Case] = [
     # ---- offline consolidate -----------------------------------------------------------
     Case(
         "consolidate_missing_folder",
-        lambda t: __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(t / "none", t / "out"),
+        lambda t: __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(
+            t / "none", t / "out"
+        ),
         r"none.*does not exist",
         FileNotFoundError,
     ),
     Case(
         "consolidate_missing_tag",
-        lambda t: __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(
+        lambda t: __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(
             _zero0_layout(t), t / "out", tag="global_step9"
         ),
         r"'global_step9' not found",
@@ -465,7 +467,7 @@ CASES: list[Case] = [
     ),
     Case(
         "consolidate_not_a_deepspeed_folder",
-        lambda t: __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(
+        lambda t: __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(
             _not_deepspeed_layout(t), t / "out"
         ),
         r"is not a DeepSpeed checkpoint \(no `\*model_states\.pt`\)",
@@ -476,7 +478,7 @@ CASES: list[Case] = [
         lambda t: (
             lambda root: (
                 _truncate(root / "global_step1" / "mp_rank_00_model_states.pt"),
-                __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(root, t / "out"),
+                __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(root, t / "out"),
             )
         )(_zero0_layout(t)),
         r"mp_rank_00_model_states\.pt",
@@ -490,7 +492,7 @@ CASES: list[Case] = [
                     {"module": _tiny().state_dict()}, path(root), _use_new_zipfile_serialization=False
                 ),
                 _truncate(path(root)),
-                __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(root, t / "out"),
+                __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(root, t / "out"),
             )
         )(_zero0_layout(t), lambda root: root / "global_step1" / "mp_rank_00_model_states.pt"),
         r"mp_rank_00_model_states\.pt' is truncated or corrupt",
@@ -502,7 +504,7 @@ CASES: list[Case] = [
             lambda root, path: (
                 torch.save({"optimizer_state_dict": {"zero_stage": 2}}, path(root)),
                 _truncate(path(root)),
-                __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(root, t / "out"),
+                __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(root, t / "out"),
             )
         )(_zero0_layout(t), lambda root: root / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
         r"zero_pp_rank_0_mp_rank_00_optim_states\.pt' is truncated or corrupt",
@@ -530,7 +532,7 @@ CASES: list[Case] = [
     ),
     Case(
         "consolidate_bad_dtype",
-        lambda t: __import__("ds_engine.checkpoint").checkpoint.consolidate_checkpoint(
+        lambda t: __import__("ds_engine.consolidate").consolidate.consolidate_checkpoint(
             _zero0_layout(t), t / "out", dtype="int8"
         ),
         r"`dtype`='int8'",

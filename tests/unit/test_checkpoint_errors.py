@@ -13,16 +13,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ds_engine.backends.accelerate_states import FALLBACK_MODEL_NAME, FALLBACK_OPTIMIZER_NAME
 from ds_engine.checkpoint import (
     CHECKPOINT_META_NAME,
     ENGINE_STATE_NAME,
-    FALLBACK_MODEL_NAME,
-    FALLBACK_OPTIMIZER_NAME,
     capture_rng_state,
-    consolidate_checkpoint,
     resolve_checkpoint,
     restore_rng_state,
 )
+from ds_engine.consolidate import consolidate_checkpoint
 
 
 class Custom:
@@ -250,11 +249,13 @@ def test_checkpoint_from_another_backend(saved):
 )
 def test_checkpoint_from_another_zero_stage_or_precision(tmp_path, change, message):
     from ds_engine import Engine
+    from ds_engine.backends.deepspeed_states import needs_universal
     from ds_engine.checkpoint import _compatibility
 
     engine = Engine(backend="deepspeed", zero_stage=3, precision="fp32")  # no process group needed
     meta = {"backend": "deepspeed", "zero_stage": 3, "precision": "fp32", "world_size": 1, **change}
-    problem, universal = _compatibility(engine, meta, tmp_path / "step_2")
+    problem = _compatibility(engine._backend, meta, tmp_path / "step_2")
+    universal = needs_universal(meta, tmp_path / "step_2")
     assert re.search(message, problem) and "HINT: turn it into weights" in problem and not universal
 
 

@@ -10,13 +10,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ds_engine.checkpoint import (
-    consolidate_checkpoint,
-    consolidated_state_dict,
-    parse_size,
-    save_pretrained,
-)
 from ds_engine.cli import main as cli_main
+from ds_engine.consolidate import consolidate_checkpoint
+from ds_engine.weights import consolidated_state_dict, save_pretrained
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -60,21 +56,6 @@ def assert_same_tensors(model: nn.Module, reference: dict[str, torch.Tensor]) ->
     state = model.state_dict()
     for key, value in reference.items():
         assert torch.equal(state[key], value), key
-
-
-# --------------------------------------------------------------------------- parse_size
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), ("10kb", 10_000), (123, 123), ("7", 7)],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("bad", ["5XB", "GB", "", "-1GB", 0, -5, 1.5, True])
-def test_parse_size_errors_name_the_value(bad):
-    with pytest.raises(ValueError, match=r"`max_shard_size`=.* HINT"):
-        parse_size(bad)
 
 
 # --------------------------------------------------------------------------- consolidated_state_dict

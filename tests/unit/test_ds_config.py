@@ -306,9 +306,9 @@ def test_deepspeed_backend_applies_the_same_bucket_rule() -> None:
     base = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 7}}
     backend = DeepSpeedBackend(EngineConfig(precision="bf16"), base)
     plain = torch.nn.Linear(2, 2)
-    facts = {"world_size": 2, "micro_batch_size": 2, "base": base}
-    via_backend = build_ds_config(backend._config_for(plain), model=plain, **facts)
-    direct = build_ds_config(EngineConfig(precision="bf16"), model=plain, **facts)
+    facts = {"world_size": 2, "micro_batch_size": 2}
+    via_backend = build_ds_config(backend._config_for(plain), model=plain, **facts)  # its base inside
+    direct = build_ds_config(EngineConfig(precision="bf16"), model=plain, base=base, **facts)
     assert via_backend == direct
     assert direct["zero_optimization"]["stage3_param_persistence_threshold"] == 7
 
@@ -420,8 +420,11 @@ def test_validate_reports_every_problem() -> None:
         '`zero_optimization.overlap_comm` = "yes"',
         "`zero_optimization.offload_optimizer.pin_memorie` is not a known offload_optimizer key",
         "`zero_optimization.offload_optimizer.nvme_path` is required",
-        '`zero_optimization.offload_param.device` = "cpu" needs `zero_optimization.stage` = 3, got 2',
-        '`zero_optimization.offload_optimizer.device` = "nvme" needs ZeRO stage 3, got 2',
+        # the stage/offload rules are the choices' rules (config_rules), naming the JSON's keys
+        '`zero_optimization.offload_param.device` = "cpu" needs ZeRO stage 3, got '
+        "`zero_optimization.stage` = 2",
+        '`zero_optimization.offload_optimizer.device` = "nvme" needs ZeRO stage 3 (ZeRO-Infinity), got '
+        "`zero_optimization.stage` = 2",
         "`train_batch_size` = 10 != train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (2) * "
         "world_size (2) = 8",
     ):

@@ -152,10 +152,12 @@ def test_clip_grad_norm_refuses_a_subset_of_the_parameters():
     engine = Engine(backend="accelerate", gradient_clipping=1.0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     model[0].bias.requires_grad_(False)
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     engine.backward(model(torch.ones(1, 4)).sum())
     inner = engine.unwrap_model(model)
-    with pytest.raises(ConfigError, match=r"got 2 of the model's 3 trained parameters.*model\.parameters\(\)"):
+    with pytest.raises(
+        ConfigError, match=r"got 2 of the model's 3 trained parameters.*model\.parameters\(\)"
+    ):
         engine.clip_grad_norm_(inner[1].parameters(), 1.0)
     with pytest.raises(ConfigError, match=r"tensors that are not its parameters"):
         engine.clip_grad_norm_([*inner.parameters(), torch.zeros(1, requires_grad=True)], 1.0)

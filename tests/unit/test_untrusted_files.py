@@ -26,9 +26,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ds_engine.checkpoint import consolidate_checkpoint
 from ds_engine.cli import main
 from ds_engine.config import ConfigError
+from ds_engine.consolidate import consolidate_checkpoint
 from ds_engine.safety import (
     UnsafeCheckpointError,
     deepspeed_safe_globals,

@@ -64,7 +64,7 @@ def run(stage: int, precision: str, out: Path) -> dict:
     import deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ds_engine.checkpoint import consolidated_state_dict, save_pretrained
+    from ds_engine.backends.deepspeed_states import consolidated_state_dict, save_pretrained
 
     cfg = ds_config(stage, precision)
     model = build_model(cfg)

@@ -56,7 +56,11 @@ def main() -> None:
     args = parse_args()
     out = Path(args.out)
     from ds_engine import Engine
-    from ds_engine.checkpoint import UNIVERSAL_SUFFIX, convert_to_universal, load_deepspeed_states
+    from ds_engine.backends.deepspeed_states import (
+        UNIVERSAL_SUFFIX,
+        convert_to_universal,
+        load_deepspeed_states,
+    )
     from ds_engine.cli import main as cli
     from tests.hostile_corpus import CASES, extensions_registered, traces, write
 

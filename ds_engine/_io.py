@@ -1,0 +1,205 @@
+"""Plumbing every saving path shares: durable atomic files and folders, and rank agreement.
+
+The bottom of the saving layers (`weights`, `consolidate`, `checkpoint` and the backends'
+state files): it imports nothing from ds_engine but `safety`.
+
+* Files and folders are written durably (fsync) and published atomically: a folder is built
+  under a hidden temporary sibling and renamed into place (`publish`), so a crash never
+  leaves a folder that looks complete.
+* Rank helpers work with or without a process group (a process without one is rank 0 of 1).
+* ds_engine's own small checkpoint files hold tensors and plain containers only: `save_safe`
+  proves each loads with torch's weights-only unpickler, `load_safe` reads it back that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_engine.safety import UnsafeCheckpointError, restricted_load
+
+__all__ = [
+    "any_rank_failed",
+    "barrier",
+    "broadcast_from_rank0",
+    "current_rank",
+    "dist_ready",
+    "exchange",
+    "fsync_dir",
+    "fsync_file",
+    "listing",
+    "load_safe",
+    "publish",
+    "raise_problem",
+    "save_safe",
+    "tmp_sibling",
+    "world_size",
+    "write_json",
+    "write_text_atomic",
+]
+
+
+# --------------------------------------------------------------------------- process group
+def dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def current_rank() -> int:
+    return torch.distributed.get_rank() if dist_ready() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if dist_ready() else 1
+
+
+def barrier() -> None:
+    if dist_ready() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (identity without a process group)."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """True on every rank when `failed` is true on any (collective)."""
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":  # pragma: no cover - GPU runs
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def raise_problem(problem: tuple[str, str] | None) -> None:
+    """Raise `problem` = (exception kind, message), the same on every rank that got it."""
+    if problem:
+        kind, message = problem
+        kinds = {
+            "FileNotFoundError": FileNotFoundError,
+            "RuntimeError": RuntimeError,
+            "UnsafeCheckpointError": UnsafeCheckpointError,
+        }
+        raise kinds.get(kind, ValueError)(message)
+
+
+# --------------------------------------------------------------------------- durable files
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+        fsync_file(path)
+
+
+def write_json(path: Path, content: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    fsync_file(path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def listing(path: Path, limit: int = 12) -> str:
+    """What a folder holds, for error messages ("a, b/, ... (N entries)")."""
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "an empty folder"
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} entries)" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------- atomic folders
+def tmp_sibling(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}"
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Move the finished `tmp` folder to `target`, replacing an existing one safely."""
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            fsync_file(path)
+    fsync_dir(tmp)
+    if target.exists():
+        if exchange(tmp, target):  # one atomic swap: the final name always holds a whole folder
+            shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old folder
+        else:  # no renameat2: two renames, and the old folder is put back if the second fails
+            old = tmp_sibling(target, "old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    fsync_dir(target.parent)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return bool(result == 0)
+
+
+# --------------------------------------------------------------------------- small safe files
+def save_safe(obj: Any, path: Path, what: str) -> None:
+    """`torch.save`, then prove the file loads with `weights_only=True` (no code on load)."""
+    try:
+        torch.save(obj, path)
+        torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.PicklingError, pickle.UnpicklingError, AttributeError, TypeError, RuntimeError) as exc:
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        detail = next((line.split("error: ")[-1] for line in lines if "Unsupported global" in line), lines[0])
+        raise TypeError(
+            f"{what} holds an object that cannot be loaded without running code ({detail}); allowed: "
+            "tensors, numbers, strings, None, and lists/tuples/dicts of them. HINT: convert it (e.g. "
+            "numpy arrays to tensors, objects to dicts) before `save_checkpoint`."
+        ) from None
+    fsync_file(path)
+
+
+def load_safe(path: Path) -> Any:
+    """One of ds_engine's own files: tensors and plain containers only (`save_safe` proved it)."""
+    return restricted_load(path, hint="load an older tag with `tag=...`")

@@ -1,0 +1,85 @@
+"""Plain value helpers shared by every layer: integer/number tests and byte sizes.
+
+The bottom of the package: imports nothing from ds_engine, so any module may use it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, TypeGuard
+
+__all__ = ["AUTO", "parse_size", "words"]
+
+#: DeepSpeed's word for "fill this value in from the facts" (and ds_engine's, for the same).
+AUTO = "auto"
+
+
+def words(text: str) -> frozenset[str]:
+    """The whitespace-separated words of `text` (how the key tables are written)."""
+    return frozenset(text.split())
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    """True for an int that is not a bool (JSON integers; `True` is no batch size)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> TypeGuard[int | float]:
+    """True for a finite int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: Byte units, case-insensitive: decimal (KB = 1000, and the short K/M/G/T) and binary (KiB = 1024).
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_ALLOWED = (
+    "a positive int (bytes) or a number with an optional unit "
+    "(B, KB, MB, GB, TB, K, M, G, T, KiB, MiB, GiB, TiB; any case)"
+)
+
+
+def parse_size(size: int | str, *, name: str | None = None) -> int:
+    """Bytes from a size such as ``"5GB"``, ``"5G"``, ``"500MiB"``, ``"1.5e9"`` or an int.
+
+    Decimal units (KB, MB, GB, TB and the short K, M, G, T) are powers of 1000, binary units
+    (KiB, MiB, GiB, TiB) powers of 1024, as in transformers' `max_shard_size`; no unit means bytes.
+
+    Args:
+        size: A positive int (bytes) or a string of digits followed by an optional unit.
+        name: The argument the size was given as (e.g. "max_shard_size"), named in the error.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: `size` is not a positive size in a known unit (the message names it).
+    """
+    shown = f"`{name}`={size!r}" if name else f"size {size!r}"
+    hint = "HINT: e.g. 5GB, 500MB or 512GiB"
+    if _is_int(size):
+        value: float = size
+    else:
+        match = _SIZE.match(size) if isinstance(size, str) else None
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"{shown} is not understood; allowed: {_ALLOWED}. {hint}")
+        value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or round(value) <= 0:
+        raise ValueError(f"{shown} must be positive; allowed: {_ALLOWED}. {hint}")
+    return round(value)

@@ -1,0 +1,575 @@
+"""Consolidated weights: gather a (partitioned) model's full state dict, and `save_pretrained`.
+
+* `consolidated_state_dict` -- collective; rank 0 gets the full CPU state dict, other ranks
+  None. Partitioned parameters are gathered one layer at a time (per submodule), so rank 0
+  holds about one copy of the weights.
+* `save_pretrained` -- collective; gathers and writes shard by shard, so rank 0 never holds
+  more than one shard plus one layer. Output is a transformers-compatible folder (safetensors,
+  index, `config.json`, tokenizer) written atomically.
+
+What "gather" means is the backend's business: a `WeightGather` says how to read the full
+value of its parameters (the DeepSpeed backend's reads ZeRO-3 partitions and the optimizer's
+fp32 masters; the default reads tensors as they are, and FSDP2 DTensor shards through
+`full_tensor()`). `Backend.get_state_dict` / `Backend.save_pretrained` pass their own.
+Offline consolidation of a checkpoint folder is `ds_engine.consolidate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_engine._io import broadcast_from_rank0, current_rank, fsync_file, publish, tmp_sibling, write_json
+from ds_engine._values import parse_size
+
+__all__ = [
+    "GATHER_BUCKET_BYTES",
+    "WeightGather",
+    "consolidated_state_dict",
+    "save_pretrained",
+]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+
+
+# --------------------------------------------------------------------------- the backend's part
+class WeightGather:
+    """How to read the full value of a backend's parameters; this base reads them as they are.
+
+    A backend whose parameters are partitioned returns its own from `Backend.weight_gather()`
+    (DeepSpeed's: `ds_engine/backends/deepspeed_states.py`). FSDP2 DTensor shards need none:
+    every value read goes through its `full_tensor()` where it has one.
+    """
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        """The whole tensor's shape (a partitioned parameter's local shape is not it)."""
+        return tensor.shape
+
+    def gathered(self, tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        """A scope in which `tensors` hold their full values (collective: every rank enters it)."""
+        return contextlib.nullcontext()
+
+    def fp32_masters(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """parameter -> the optimizer's fp32 master copy or None (collective per call); None when
+        the backend keeps no masters (fp32 weights are then cast up from the parameters)."""
+        return None
+
+    def session(self) -> contextlib.AbstractContextManager[None]:
+        """A scope around one whole gather (e.g. to bring offloaded optimizer partitions back)."""
+        return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass
+class Entry:
+    """One state-dict key: the live parameter/buffer it reads and who owns it."""
+
+    key: str
+    tensor: torch.Tensor  # the live Parameter / buffer object (partitioned under ZeRO-3)
+    owner: int  # id() of the owning submodule: entries of one owner are gathered together
+    is_param: bool
+    shape: torch.Size  # the full (unpartitioned) shape
+    out_dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= int(dim)
+        return numel * torch.empty((), dtype=self.out_dtype).element_size()
+
+
+def _owners(module: nn.Module) -> dict[int, int]:
+    """id(tensor) -> id(owning submodule), the first owner in `named_modules` order."""
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        for tensor in [*sub._parameters.values(), *sub._buffers.values()]:
+            if tensor is not None:
+                owners.setdefault(id(tensor), id(sub))
+    return owners
+
+
+def _model_float_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _plan(
+    module: nn.Module, gather: WeightGather, *, dtype: torch.dtype | None, exclude_frozen: bool
+) -> list[Entry]:
+    """The keys `module.state_dict()` would produce, bound to their live tensors, in order.
+
+    `state_dict(keep_vars=True)` returns the parameter and buffer objects themselves (no copy,
+    and under ZeRO-3 no gather), so key names, persistent-buffer filtering, shared submodules
+    and state-dict hooks all match `module.state_dict()` exactly.
+    """
+    live = module.state_dict(keep_vars=True)
+    param_ids = {id(p) for p in module.parameters()}
+    owners = _owners(module)
+    entries = []
+    for key, tensor in live.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue  # e.g. `_extra_state` objects: not weights
+        is_param = id(tensor) in param_ids
+        if exclude_frozen and is_param and not tensor.requires_grad:
+            continue
+        out_dtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        entries.append(
+            Entry(key, tensor, owners.get(id(tensor), -1), is_param, gather.full_shape(tensor), out_dtype)
+        )
+    return entries
+
+
+#: Consecutive small layers are gathered together up to this many bytes (fewer collectives); a
+#: layer larger than this is gathered alone. It bounds the transient extra memory per gather.
+GATHER_BUCKET_BYTES = 16 * 2**20
+
+
+def _groups(entries: list[Entry]) -> Iterator[list[Entry]]:
+    """The unit of one ZeRO-3 gather: whole submodules' entries, merged up to the bucket size."""
+    layers: list[list[Entry]] = []
+    for entry in entries:
+        if layers and entry.owner == layers[-1][-1].owner:
+            layers[-1].append(entry)
+        else:
+            layers.append([entry])
+    bucket: list[Entry] = []
+    size = 0
+    for layer in layers:
+        nbytes = sum(e.nbytes for e in layer)
+        if bucket and size + nbytes > GATHER_BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(layer)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# --------------------------------------------------------------------------- gathering
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP2 DTensor shard (collective); other tensors as they are."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+def check_not_empty(entry: Entry, value: torch.Tensor) -> None:
+    expected = 1
+    for dim in entry.shape:
+        expected *= int(dim)
+    if value.numel() != expected:
+        raise RuntimeError(
+            f"consolidating `{entry.key}` gave a tensor of {value.numel()} elements (shape "
+            f"{tuple(value.shape)}) but the parameter has {expected} (shape {tuple(entry.shape)}); "
+            "refusing to save an empty or partial tensor. HINT: call this on every rank (it is "
+            "collective) with the unwrapped module of the live DeepSpeed engine (`engine.module`)."
+        )
+
+
+def _collect(
+    entries: list[Entry], *, gather: WeightGather, want_master: bool, keep: bool
+) -> dict[str, torch.Tensor] | None:
+    """Gather `entries` group by group; return CPU copies when `keep` (rank 0), else None.
+
+    Every rank must call this with the same entries: the gathers are collective.
+    """
+    out: dict[str, torch.Tensor] | None = {} if keep else None
+    done: dict[int, str] = {}  # id(live tensor) -> first key, so tied keys share one copy
+    master_of = gather.fp32_masters() if want_master else None
+    for group in _groups(entries):
+        masters: dict[int, torch.Tensor] = {}
+        if master_of is not None:
+            for entry in group:
+                if entry.is_param and id(entry.tensor) not in masters and id(entry.tensor) not in done:
+                    master = master_of(entry.tensor)
+                    if master is not None:
+                        masters[id(entry.tensor)] = master
+        to_gather = [e.tensor for e in group if id(e.tensor) not in masters and id(e.tensor) not in done]
+        with gather.gathered(to_gather):
+            for entry in group:
+                ident = id(entry.tensor)
+                if ident in done:
+                    if out is not None:
+                        out[entry.key] = out[done[ident]]
+                    continue
+                value = _full(masters.get(ident, entry.tensor).detach())
+                check_not_empty(entry, value)
+                if out is not None:
+                    out[entry.key] = value.reshape(entry.shape).to(
+                        device="cpu", dtype=entry.out_dtype, copy=True
+                    )
+                done[ident] = entry.key
+        masters.clear()
+    return out
+
+
+def consolidated_state_dict(
+    module: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    gather: WeightGather | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """Collect the full state dict of `module` on rank 0 (collective: every rank calls it).
+
+    Partitioned parameters (ZeRO-3) are gathered one submodule at a time and copied to CPU on
+    rank 0 only, so rank 0 holds about one copy of the weights plus one gather bucket (whole
+    layers, up to `GATHER_BUCKET_BYTES`, or one larger layer); no DeepSpeed
+    flag (`stage3_gather_16bit_weights_on_model_save`) is needed.
+
+    Args:
+        module: The unwrapped model (`ds_engine.module` for a DeepSpeedEngine).
+        dtype: Dtype of floating-point tensors in the result. None keeps the training dtype
+            (16-bit under fp16/bf16 training). `torch.float32` with a `gather` that knows the
+            optimizer returns its fp32 master weights (parameters without a master copy, such
+            as frozen ones, are cast up).
+        exclude_frozen: Leave out parameters with `requires_grad=False` (buffers are kept).
+        gather: How the backend's parameters are read (`Backend.weight_gather()`); None reads
+            them as they are.
+
+    Returns:
+        On rank 0 (or without a process group) a dict with exactly the keys of
+        `module.state_dict()` mapping to CPU tensors (tied keys share one tensor); None on
+        other ranks.
+
+    Raises:
+        RuntimeError: When a gathered tensor does not have its parameter's full size.
+    """
+    gather = gather or WeightGather()
+    entries = _plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
+    with gather.session():
+        return _collect(entries, gather=gather, want_master=dtype == torch.float32, keep=current_rank() == 0)
+
+
+# --------------------------------------------------------------------------- tied weights
+def _any(module: nn.Module) -> Any:
+    """`module` typed as Any, for transformers helpers annotated with `PreTrainedModel`."""
+    return module
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and hasattr(config, "save_pretrained") and hasattr(config, "to_dict")
+
+
+def _drop_tied(module: nn.Module, entries: list[Entry]) -> list[Entry]:
+    """Drop tied duplicates the way transformers' own `save_pretrained` does.
+
+    For HF models transformers' `remove_tied_weights_from_state_dict` decides which alias to
+    keep (it needs the `_tied_weights_keys` patterns); it is fed one small proxy tensor per
+    live tensor, so aliases share storage exactly as the real weights do. Plain modules keep
+    the first key of each alias group (safetensors cannot store aliases).
+    """
+    if not is_hf_model(module):
+        seen: set[int] = set()
+        kept = []
+        for entry in entries:
+            if id(entry.tensor) not in seen:
+                seen.add(id(entry.tensor))
+                kept.append(entry)
+        return kept
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    proxies: dict[int, torch.Tensor] = {}
+    proxy_sd = {e.key: proxies.setdefault(id(e.tensor), torch.empty(1)) for e in entries}
+    for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+        proxy_sd.pop(key, None)
+    kept_keys = set(remove_tied_weights_from_state_dict(proxy_sd, _any(module)))
+    return [e for e in entries if e.key in kept_keys]
+
+
+def _needs_weight_conversion(module: nn.Module) -> bool:
+    """True when transformers would rename/convert weights on save (e.g. fused MoE experts)."""
+    if not is_hf_model(module):
+        return False
+    conversions = getattr(module, "_weight_conversions", None)
+    if conversions is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return False
+        conversions = get_model_conversion_mapping(_any(module), add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    return bool(conversions)
+
+
+# --------------------------------------------------------------------------- sharding
+@dataclass
+class _Shard:
+    filename: str
+    entries: list[Entry]
+
+
+def split_shards(entries: list[Entry], max_bytes: int, weights_name: str) -> list[_Shard]:
+    """Split like huggingface_hub: in order, a new shard when the next tensor would overflow."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry.nbytes
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    if len(shards) == 1:
+        return [_Shard(weights_name, shards[0])]
+    stem, ext = weights_name.rsplit(".", 1)
+    total = len(shards)
+    return [_Shard(f"{stem}-{i + 1:05d}-of-{total:05d}.{ext}", s) for i, s in enumerate(shards)]
+
+
+def write_weights(tensors: dict[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+    fsync_file(path)
+
+
+def preflight(save_directory: Path, module: nn.Module | None, tokenizer: Any) -> str:
+    """'' when saving can start, else the error message (checked before any collective)."""
+    if save_directory.exists() and not save_directory.is_dir():
+        return (
+            f"`save_directory`={str(save_directory)!r} is a file, not a directory. "
+            "HINT: pass a directory path (it is created, or replaced atomically if it exists)."
+        )
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        return (
+            f"`tokenizer` of type {type(tokenizer).__name__} has no `save_pretrained`; allowed: a "
+            "transformers tokenizer or processor. HINT: pass the tokenizer from AutoTokenizer."
+        )
+    if tokenizer is not None and module is not None and not is_hf_model(module):
+        return (
+            f"`tokenizer` was given but the model ({type(module).__name__}) is not a transformers "
+            "model (no `config`), so the folder could not be loaded with from_pretrained anyway. "
+            "HINT: save the tokenizer separately with `tokenizer.save_pretrained(dir)`."
+        )
+    return ""
+
+
+def save_hf_config(module: nn.Module, directory: Path, weights_dtype: torch.dtype | None) -> None:
+    config: Any = copy.deepcopy(module.config)  # do not touch the live model's config
+    config.architectures = [type(module).__name__]
+    if weights_dtype is not None:
+        config.dtype = str(weights_dtype).split(".")[-1]
+    config.save_pretrained(str(directory))
+    can_generate = getattr(module, "can_generate", None)
+    generation_config = getattr(module, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation_config is not None:
+        generation_config.save_pretrained(str(directory))
+
+
+def _check_given_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], gather: WeightGather
+) -> None:
+    shapes = {name: gather.full_shape(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    for key, value in state_dict.items():
+        if key in shapes and shapes[key].numel() > 0 and value.numel() == 0:
+            raise RuntimeError(
+                f"`state_dict[{key!r}]` has 0 elements but the model parameter has shape "
+                f"{tuple(shapes[key])}; refusing to write an empty tensor (under ZeRO-3 "
+                "`module.state_dict()` returns empty partitions). HINT: leave `state_dict=None` "
+                "so save_pretrained gathers the weights itself."
+            )
+
+
+def save_pretrained(
+    module: nn.Module,
+    save_directory: str | os.PathLike[str],
+    *,
+    gather: WeightGather | None = None,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    dtype: torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `module` as a `from_pretrained` folder (collective: every rank calls it).
+
+    Weights are gathered and written shard by shard: with partitioned parameters (ZeRO-3)
+    rank 0 never holds more than one shard plus one layer. Rank 0 writes safetensors (`model.safetensors`, or
+    `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` past
+    `max_shard_size`), `config.json` (and `generation_config.json`) for transformers models,
+    and the tokenizer. Tied duplicates are dropped as transformers' `save_pretrained` drops
+    them. Everything goes into a hidden sibling folder `.<name>.tmp-<pid>` first, is fsynced,
+    then renamed over `save_directory` (an existing folder is moved aside, replaced, then
+    deleted), so a crash never leaves a folder that looks complete.
+
+    Args:
+        module: The unwrapped model (`ds_engine.module` for a DeepSpeedEngine); a transformers
+            `PreTrainedModel` or any `nn.Module` (then only weights are written).
+        save_directory: Target folder; created, or replaced atomically.
+        gather: How the backend's parameters are read (`Backend.weight_gather()`); None reads
+            them as they are.
+        tokenizer: Optional tokenizer saved with `tokenizer.save_pretrained` (HF models only).
+        max_shard_size: Largest shard, e.g. "5GB", "500MB", "1GiB" or bytes.
+        safe_serialization: safetensors (True) or `pytorch_model.bin` via torch.save (False).
+        dtype: As in `consolidated_state_dict` (None: the training dtype).
+        exclude_frozen: Leave out parameters with `requires_grad=False`.
+        state_dict: Write this (rank 0's) dict instead of gathering the weights.
+
+    Raises:
+        ValueError: For a bad `max_shard_size`, a `save_directory` that is a file, or a
+            tokenizer that cannot be saved with this model.
+        RuntimeError: When a tensor would be written empty, or rank 0 failed to write.
+    """
+    max_bytes = parse_size(max_shard_size, name="max_shard_size")
+    gather = gather or WeightGather()
+    target = Path(save_directory).absolute()
+    rank = current_rank()
+    problem = broadcast_from_rank0(preflight(target, module, tokenizer) if rank == 0 else None)
+    if problem:
+        raise ValueError(problem)
+
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+    is_hf = is_hf_model(module)
+    tmp = tmp_sibling(target, "tmp")
+    error: BaseException | None = None
+
+    def on_rank0(step: Any, *args: Any) -> None:
+        # rank 0 keeps taking part in the collectives after a write error, so no rank hangs;
+        # the error is re-raised on every rank at the end.
+        nonlocal error
+        if rank == 0 and error is None:
+            try:
+                step(*args)
+            except BaseException as exc:  # re-raised below on every rank
+                error = exc
+
+    def start() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    on_rank0(start)
+    shards: list[_Shard] = []
+    saved_dtype = dtype
+
+    def write_given(given: Mapping[str, torch.Tensor] | None, cast: torch.dtype | None) -> None:
+        if given is not None:
+            shards.extend(
+                _write_given_state_dict(
+                    module, given, gather, tmp, weights_name, max_bytes, safe_serialization, cast
+                )
+            )
+
+    try:
+        if state_dict is not None:
+            on_rank0(write_given, state_dict, dtype)
+        else:
+            entries = _plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
+            want_master = dtype == torch.float32
+            saved_dtype = dtype or _model_float_dtype(module)
+            with gather.session():
+                if _needs_weight_conversion(module):
+                    # transformers renames/fuses some weights on save (many-to-one across layers),
+                    # so the whole dict is needed at once: gather it, then let transformers revert
+                    # the mapping. This path holds one full copy on rank 0 (like transformers).
+                    from transformers.core_model_loading import revert_weight_conversion
+
+                    full = _collect(entries, gather=gather, want_master=want_master, keep=rank == 0)
+                    if full is not None:
+                        on_rank0(write_given, revert_weight_conversion(_any(module), full), None)
+                    del full
+                else:
+                    shards = split_shards(_drop_tied(module, entries), max_bytes, weights_name)
+                    for shard in shards:
+                        keep = rank == 0 and error is None
+                        tensors = _collect(shard.entries, gather=gather, want_master=want_master, keep=keep)
+                        if tensors is not None:
+                            on_rank0(write_weights, tensors, tmp / shard.filename, safe_serialization)
+                        del tensors
+    except BaseException:
+        # raised on every rank alike (e.g. an empty gathered tensor): no half-written folder
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def finish() -> None:
+        if len(shards) > 1:
+            weight_map = {e.key: s.filename for s in shards for e in s.entries}
+            metadata: dict[str, Any] = {"total_size": sum(e.nbytes for s in shards for e in s.entries)}
+            if is_hf:
+                metadata["total_parameters"] = sum(gather.full_shape(p).numel() for p in module.parameters())
+            write_json(tmp / index_name, {"metadata": metadata, "weight_map": weight_map})
+        if is_hf:
+            save_hf_config(module, tmp, saved_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        publish(tmp, target)
+
+    on_rank0(finish)
+    if rank == 0 and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    failure = broadcast_from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"rank 0 failed to write {str(target)!r}: {failure}")
+
+
+def _write_given_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    gather: WeightGather,
+    tmp: Path,
+    weights_name: str,
+    max_bytes: int,
+    safe_serialization: bool,
+    dtype: torch.dtype | None,
+) -> list[_Shard]:
+    """Shard and write an already-consolidated dict (rank 0 only); returns the shard plan."""
+    _check_given_state_dict(module, state_dict, gather)
+    if is_hf_model(module):
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        given = dict(state_dict)
+        for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+            given.pop(key, None)
+        state_dict = remove_tied_weights_from_state_dict(given, _any(module))
+    entries = []
+    for key, value in state_dict.items():
+        out_dtype = dtype if (dtype is not None and value.is_floating_point()) else value.dtype
+        entries.append(Entry(key, value, 0, False, value.shape, out_dtype))
+    if not is_hf_model(module):
+        entries = _drop_aliases(entries)
+    shards = split_shards(entries, max_bytes, weights_name)
+    for shard in shards:
+        tensors = {
+            e.key: e.tensor.detach().to(device="cpu", dtype=e.out_dtype).contiguous() for e in shard.entries
+        }
+        write_weights(tensors, tmp / shard.filename, safe_serialization)
+    return shards
+
+
+def _drop_aliases(entries: list[Entry]) -> list[Entry]:
+    """Keep the first key of each group of tensors sharing storage (safetensors refuses aliases)."""
+    seen: set[tuple[Any, ...]] = set()
+    kept = []
+    for entry in entries:
+        t = entry.tensor
+        ident = (
+            (t.device, t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (None, id(t), 0)
+        )
+        if ident not in seen:
+            seen.add(ident)
+            kept.append(entry)
+    return kept

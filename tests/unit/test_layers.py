@@ -1,0 +1,80 @@
+"""The config modules form layers: each imports only modules below it (no import circle, also
+not through TYPE_CHECKING or function-level imports), and none grows past ~700 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ds_engine
+
+PACKAGE = Path(ds_engine.__file__).resolve().parent
+
+#: Bottom first: a module may import only those listed before it (and nothing of ds_engine else).
+LAYERS = ["_values", "errors", "ds_blocks", "ds_schema", "config_rules", "config", "ds_config"]
+
+
+def _ds_engine_imports(path: Path) -> set[str]:
+    """Every ds_engine module `path` imports, anywhere in the file (`ds_engine.x` -> "x")."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ds_engine" and len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").exists():
+                found.add(parts[1])
+    return found
+
+
+#: Leaves any layer may use: they import nothing of ds_engine.
+LEAVES = {"_imports"}
+
+
+def test_each_config_layer_imports_only_layers_below_it():
+    for leaf in LEAVES:
+        assert not _ds_engine_imports(PACKAGE / f"{leaf}.py") - {leaf}, leaf
+    for i, name in enumerate(LAYERS):
+        allowed = set(LAYERS[:i]) | LEAVES
+        imported = _ds_engine_imports(PACKAGE / f"{name}.py") - {name}
+        assert imported <= allowed, (name, sorted(imported - allowed))
+
+
+def test_config_layers_stay_small():
+    for name in LAYERS:
+        lines = len((PACKAGE / f"{name}.py").read_text(encoding="utf-8").splitlines())
+        assert lines <= 700, (name, lines)
+
+
+def test_the_public_names_stay_where_they_were():
+    from ds_engine import config, ds_config
+
+    for name in (
+        "EngineConfig",
+        "ConfigError",
+        "resolve_engine_config",
+        "load_json_config",
+        "STEPS_PER_PRINT_OFF",
+    ):
+        assert hasattr(config, name), name
+    for name in (
+        "build_ds_config",
+        "load_base",
+        "preset_path",
+        "validate_ds_config",
+        "hidden_size_from_model",
+        "deepspeed_bucket_fallbacks",
+        "check_engine_arguments",
+        "DEEPSPEED_SCHEDULERS",
+        "PRESETS",
+        "PRESETS_DIR",
+        "preset_choices",
+        "render_presets",
+    ):
+        assert hasattr(ds_config, name), name
+    for name in ds_engine.__all__:
+        assert getattr(ds_engine, name) is not None, name
