@@ -161,7 +161,7 @@ def _engine_state(state: TrainingState, client_state: Mapping[str, Any] | None) 
 def _checkpoint_meta(backend: Backend, state: TrainingState, tag: str) -> dict[str, Any]:
     import time
 
-    from ds_engine import __version__
+    from ds_engine._version import __version__
 
     meta: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
