@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
+from ds_engine.backends.base import (
+    Backend,
+    Facts,
+    Optimizer,
+    Prepared,
+    StepOutcome,
+    destroy_process_group_at_exit,
+)
 from ds_engine.config import EngineConfig, ResolvedConfig
 
 #: The process group's distributed type before any FSDP plugin upgraded it (process-wide, as
@@ -200,13 +207,8 @@ class AccelerateBackend(Backend):
 
     # -------------------------------------------------------------- prepare
     def prepare_model(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
-        *,
-        facts: dict[str, Any],
-    ) -> tuple[torch.nn.Module, Any, Any]:
+        self, model: torch.nn.Module, optimizer: Optimizer | None, scheduler: Any, *, facts: Facts
+    ) -> Prepared:
         self.setup_distributed()
         if optimizer is None:
             from ds_engine.config import ConfigError

@@ -52,6 +52,13 @@ def _destroy_process_group() -> None:
                 dist.destroy_process_group()
 
 
+#: What "auto" values are filled from: world_size, dataloader, model.
+Facts = dict[str, Any]
+#: (wrapped model, backend optimizer, backend-owned scheduler or None)
+Prepared = tuple[torch.nn.Module, Any, Any]
+Optimizer = torch.optim.Optimizer
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What happened at one optimizer boundary."""
@@ -102,13 +109,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prepare_model(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
-        *,
-        facts: dict[str, Any],
-    ) -> tuple[torch.nn.Module, Any, Any]:
+        self, model: torch.nn.Module, optimizer: Optimizer | None, scheduler: Any, *, facts: Facts
+    ) -> Prepared:
         """Wrap `model` (+ its optimizer) for training.
 
         Returns (wrapped model, backend optimizer, backend-owned scheduler or None).

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from ds_engine._imports import require_deepspeed
-from ds_engine.backends.base import Backend, StepOutcome, destroy_process_group_at_exit
+from ds_engine.backends.base import (
+    Backend,
+    Facts,
+    Optimizer,
+    Prepared,
+    StepOutcome,
+    destroy_process_group_at_exit,
+)
 from ds_engine.config import ConfigError, EngineConfig, ResolvedConfig
 from ds_engine.ds_config import deepspeed_bucket_fallbacks, hidden_size_from_model, render_ds_config
 from ds_engine.weights import WeightGather
@@ -137,13 +144,8 @@ class DeepSpeedBackend(Backend):
 
     # -------------------------------------------------------------- prepare
     def prepare_model(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
-        *,
-        facts: dict[str, Any],
-    ) -> tuple[torch.nn.Module, Any, Any]:
+        self, model: torch.nn.Module, optimizer: Optimizer | None, scheduler: Any, *, facts: Facts
+    ) -> Prepared:
         import deepspeed
 
         self.setup_distributed()
