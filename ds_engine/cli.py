@@ -1,4 +1,4 @@
-"""`ds-engine` command line: config | estimate | launch | consolidate | env.
+"""`ds-engine` command line: config | estimate | launch | consolidate | env | plot.
 
 Every user mistake ends with exit status 2 and a one-line `ds-engine: error: ...` message
 (no traceback). Each subcommand's work lives in the module it belongs to; this file only
@@ -285,6 +285,27 @@ def _run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plot
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw a run's metrics.jsonl as a PNG (loss, lr, grad norm, validation)",
+        description="Draw METRICS (a run's metrics.jsonl) as one PNG: training loss, learning rate, "
+        "gradient norm with skipped steps marked, and validation accuracy/perplexity per evaluation. "
+        'Needs matplotlib: pip install "ds-engine[matplotlib]".',
+    )
+    p.add_argument("metrics", metavar="METRICS", help="the run's metrics.jsonl")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default: METRICS with .png suffix)")
+    p.set_defaults(func=_run_plot)
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from ds_engine.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.metrics, args.output)}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -296,7 +317,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ds-engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_config, _add_estimate, _add_launch, _add_consolidate, _add_env):
+    for add in (_add_config, _add_estimate, _add_launch, _add_consolidate, _add_env, _add_plot):
         add(sub)
     return parser
 

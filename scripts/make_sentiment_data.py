@@ -6,14 +6,14 @@ Generates a few thousand short review sentences from five domains (restaurants, 
 phones, hotels, books), labelled 1 (positive) or 0 (negative). Negation flips a clause ("not
 good" is negative, "not bad" positive), contrast follows the concessive clause ("X, but Y" and
 "although X, Y" follow Y), and intensifiers are spread over both labels, so no single word
-predicts the label (see `ds_engine/data.py` for the grammar and `tests/unit/test_data.py` for
+predicts the label (see `scripts/sentiment_data.py` for the grammar and `tests/unit/test_data.py` for
 the check). The output is deterministic for a seed:
 
     DIR/train.tsv        sentence<TAB>label, no header (the UCI "Sentiment Labelled Sentences" format)
     DIR/validation.tsv
 
-`scripts/finetune_classification.py` generates the same files itself when it is given no
-`--train-file`; real data in the same format works through `--train-file/--validation-file`.
+These are demo data only: the scripts train on the real UCI review sentences by default and fall
+back to this generated set (with a warning) only when those cannot be found or fetched.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import collections
 import json
 
-from ds_engine.data import write_sentiment_data
+from sentiment_data import write_sentiment_data  # scripts/ is sys.path[0] when run as a file
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 Each scenario trains a handful of steps (the worker `launch_scripts.py` calls the scripts'
 `main()`), saves with `engine.save_pretrained`, and reloads with plain `from_pretrained`. A
 run resumed from the scripts' own checkpoint ends exactly where the uninterrupted run ends.
+The main job (scripts/main.sh's arguments, its default data) trains on the real UCI sentences.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from tests.distributed.launcher import WORKERS, run_command, run_workers, worker
 
 VALIDATION = 81  # --num-examples 405 with a 20 % split: odd, so the sampler pads a duplicate to drop
 STEPS = 12
+ROOT = Path(__file__).resolve().parents[2]
+REAL = ROOT.parent / "shared" / "data" / "sentiment"  # the UCI sentences on this project's machines
+UCI_FILES = ("amazon_cells_labelled.txt", "imdb_labelled.txt", "yelp_labelled.txt")
 
 
 def _check_common(name: str, s: dict[str, Any]) -> None:
@@ -139,3 +143,32 @@ def test_classification_resumed_from_its_zero2_checkpoint_ends_exactly_as_the_un
     for name, tensor in full_weights.items():
         assert tensor.dtype == torch.float32, name
         assert torch.equal(resumed_weights[name], tensor), name
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL.is_dir(), reason="the shared UCI sentiment files are not on this machine")
+def test_the_main_job_trains_on_the_real_sentences_by_default(tmp_path: Path) -> None:
+    # scripts/main.sh's own arguments, nothing about data: the default lookup must find the
+    # project's shared folder (no environment override, no cache, no download), for 3 steps
+    env = {
+        "DS_ENGINE_SENTIMENT_DIR": "",
+        "DS_ENGINE_SENTIMENT_URL": "",
+        "XDG_CACHE_HOME": str(tmp_path / "c"),
+    }
+    results = run_workers(
+        "launch_scripts.py", "--scenarios", "main", "--max-steps", "3", timeout=900, env=env, out_dir=tmp_path
+    )
+    for r in (0, 1):
+        s = results[r]["main"]
+        assert (s["data"], s["data_origin"]) == ("real", "project"), s["data_origin"]
+        assert [Path(f).resolve() for f in s["data_files"]] == [(REAL / n).resolve() for n in UCI_FILES]
+    s = results[0]["main"]
+    assert s["argv"][:2] == ["--zero-stage", "3"]
+    assert (s["backend"], s["zero_stage"], s["num_processes"]) == ("deepspeed", 3, 2)
+    assert s["optimizer_steps"] == 3 and s["skipped_steps"] == 0
+    assert s["validation_samples"] == 600  # the fixed 20 % of 3000 sentences
+    assert all(math.isfinite(x) for x in s["train_losses"])
+    assert s["reloaded_accuracy"] == pytest.approx(s["accuracy"], abs=1 / 600)
+    assert not (tmp_path / "main" / "data").exists()  # nothing generated

@@ -1,26 +1,43 @@
-"""The project's generated sentiment data, and loading TSV/JSONL files through `datasets`."""
+"""The scripts' sentiment data (`scripts/sentiment_data.py`): where the real UCI sentences are
+found (flag > environment > project folder > cache / one-time download > generated), the
+download (checksum, atomic), the generated demo set, loading TSV/JSONL files through `datasets`,
+and the length-grouped batch order of `scripts/_recipe.py`. No network: every download here reads
+a zip built by the test, from a `file://` URL or a local HTTP server.
+"""
 
 from __future__ import annotations
 
+import argparse
 import collections
+import functools
+import hashlib
+import http.server
+import io
 import json
 import random
 import re
+import sys
+import threading
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ds_engine.data import (
+#: the project root (the folder holding pyproject.toml); the shared sentences lie beside it
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+REAL = ROOT.parent / "shared" / "data" / "sentiment"
+# the scripts run as files with scripts/ on sys.path; import their modules the same way
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sentiment_data as sd  # noqa: E402
+from sentiment_data import (  # noqa: E402
     ensure_sentiment_data,
     generate_sentiment_examples,
     load_sentiment_files,
     make_sentence,
     write_sentiment_data,
 )
-
-#: the project root (the folder holding pyproject.toml); the shared sentences lie beside it
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-REAL = ROOT.parent / "shared" / "data" / "sentiment"
 
 
 def _tokens(sentence: str) -> set[str]:
@@ -193,3 +210,310 @@ def test_real_uci_files_load(tmp_path: Path) -> None:
     data = load_sentiment_files(files, validation_fraction=0.2, cache_dir=str(tmp_path / "c"))
     assert data["train"].num_rows + data["validation"].num_rows == 3000
     assert sum(data["validation"]["label"]) == 300  # 1500/1500 overall, stratified
+
+
+# ---------------------------------------------------------------------------------- the lookup
+def _lines(source: str, n: int = 10) -> str:
+    return "".join(
+        f"{source} sentence number {i} was {'great' if i % 2 else 'bad'}.\t{i % 2}\n" for i in range(n)
+    )
+
+
+def uci_folder(folder: Path) -> Path:
+    """A folder holding three small files under the UCI names (each a different marker)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in sd.UCI_FILES:
+        (folder / name).write_text(_lines(f"{folder.name}-{name.split('_')[0]}"))
+    return folder
+
+
+def uci_zip(path: Path) -> str:
+    """A zip laid out like the UCI archive (its folder, a readme, macOS junk, CRLF lines); its SHA-256."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        for name in sd.UCI_FILES:
+            text = _lines(f"zipped-{name.split('_')[0]}").replace("\n", "\r\n")
+            z.writestr(f"{sd.UCI_ARCHIVE_FOLDER}/{name}", text)
+            z.writestr(f"__MACOSX/{sd.UCI_ARCHIVE_FOLDER}/._{name}", b"\x00\x05junk")
+        z.writestr(f"{sd.UCI_ARCHIVE_FOLDER}/readme.txt", "format: sentence \\t score \\n")
+    path.write_bytes(buffer.getvalue())
+    return hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+@pytest.fixture
+def places(tmp_path: Path) -> dict[str, Path]:
+    """A fake project root (with no shared folder yet), a cache home and an archive, all under tmp."""
+    root = tmp_path / "checkout" / "project"
+    root.mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    archive = tmp_path / "server" / "sentiment.zip"
+    archive.parent.mkdir()
+    return {
+        "root": root,
+        "shared": root.parent / "shared" / "data" / "sentiment",
+        "cache_home": tmp_path / "cache_home",
+        "cache": tmp_path / "cache_home" / "ds_engine" / "sentiment",
+        "archive": archive,
+        "flag": tmp_path / "flag",
+        "env": tmp_path / "env",
+    }
+
+
+def _env(places: dict[str, Path], **extra: str) -> dict[str, str]:
+    # never the real URL: a download, if tried, reads the local archive (or fails on a missing one)
+    return {"XDG_CACHE_HOME": str(places["cache_home"]), sd.ENV_URL: places["archive"].as_uri(), **extra}
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_the_project_root_is_found_from_the_module_file() -> None:
+    assert sd.PROJECT_ROOT == ROOT
+    assert sd.project_data_dir() == ROOT.parent / "shared" / "data" / "sentiment"
+
+
+def test_lookup_order_flag_env_project_cache_download_synthetic(places: dict[str, Path]) -> None:
+    sha = uci_zip(places["archive"])
+    flag, env_dir = uci_folder(places["flag"]), uci_folder(places["env"])
+    uci_folder(places["shared"])
+    env = _env(places, **{sd.ENV_DIR: str(env_dir), sd.ENV_SHA256: sha})
+    find = functools.partial(sd.find_sentiment_data, project_root=places["root"])
+
+    # every place holds the files: the flag wins, then the environment, then the project folder
+    got = find(flag, env=env)
+    assert (got.kind, got.origin, got.folder) == ("real", "--data-dir", flag)
+    got = find(env=env)
+    assert (got.kind, got.origin, got.folder) == ("real", sd.ENV_DIR, env_dir)
+    del env[sd.ENV_DIR]
+    got = find(env=env)
+    assert (got.kind, got.origin, got.folder) == ("real", "project", places["shared"])
+    assert got.files == tuple(places["shared"] / n for n in sd.UCI_FILES)
+
+    # no project folder: the cache is empty, so the archive is downloaded into it once ...
+    for f in places["shared"].iterdir():
+        f.unlink()
+    got = find(env=env)
+    assert (got.kind, got.origin, got.folder) == ("real", "download", places["cache"])
+    assert _leftovers(places["cache"]) == sorted(sd.UCI_FILES)  # no zip, readme or temporary left
+    assert _leftovers(places["cache"].parent) == ["sentiment"]
+    # ... and found there afterwards, without downloading again (the archive is gone)
+    places["archive"].unlink()
+    got = find(env=env)
+    assert (got.kind, got.origin) == ("real", "cache")
+
+    # nothing anywhere and the download fails: the generated set, with the reasons
+    for f in places["cache"].iterdir():
+        f.unlink()
+    got = find(env=env)
+    assert (got.kind, got.origin, got.files) == ("synthetic", "fallback", ())
+    assert "download from file://" in got.notes[-1] and "failed" in got.notes[-1]
+    assert str(places["cache"]) in got.notes[0]
+    assert _leftovers(places["cache"].parent) == ["sentiment"]  # the emptied folder, no temporaries
+
+
+def test_downloaded_files_load_as_3_sources(places: dict[str, Path]) -> None:
+    sha = uci_zip(places["archive"])
+    got = sd.find_sentiment_data(env=_env(places, **{sd.ENV_SHA256: sha}), project_root=places["root"])
+    assert got.origin == "download"
+    data = load_sentiment_files(
+        got.files, validation_fraction=0.2, cache_dir=str(places["cache_home"] / "hf")
+    )
+    assert data["train"].num_rows + data["validation"].num_rows == 30
+    assert all(not s.endswith("\r") and s.startswith("zipped-") for s in data["train"]["sentence"])
+    assert sorted(collections.Counter(data["validation"]["label"]).values()) == [3, 3]  # stratified
+
+
+def test_a_wrong_checksum_is_refused_and_leaves_nothing(places: dict[str, Path]) -> None:
+    uci_zip(places["archive"])
+    with pytest.raises(ValueError, match=r"has SHA-256 [0-9a-f]{64}, expected 0{64}; refused"):
+        sd.download_uci_archive(places["cache"], url=places["archive"].as_uri(), sha256="0" * 64)
+    assert _leftovers(places["cache"].parent) == []  # neither the folder nor a temporary
+    # through the lookup: the generated set, saying why; still nothing in the cache
+    got = sd.find_sentiment_data(env=_env(places, **{sd.ENV_SHA256: "0" * 64}), project_root=places["root"])
+    assert got.kind == "synthetic" and "expected " + "0" * 64 in got.notes[-1]
+    assert _leftovers(places["cache"].parent) == []
+
+
+def test_the_default_checksum_is_the_pinned_one(places: dict[str, Path]) -> None:
+    # without DS_ENGINE_SENTIMENT_SHA256 the archive must match the official archive's pinned hash
+    uci_zip(places["archive"])
+    assert re.fullmatch(r"[0-9a-f]{64}", sd.UCI_SHA256)
+    got = sd.find_sentiment_data(env=_env(places), project_root=places["root"])
+    assert got.kind == "synthetic" and f"expected {sd.UCI_SHA256}" in got.notes[-1]
+
+
+def test_an_archive_without_the_files_is_refused(places: dict[str, Path]) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("amazon_cells_labelled.txt", "top level, not in the UCI folder\t1\n")
+    places["archive"].write_bytes(buffer.getvalue())
+    sha = hashlib.sha256(buffer.getvalue()).hexdigest()
+    with pytest.raises(ValueError, match="is not the UCI archive"):
+        sd.download_uci_archive(places["cache"], url=places["archive"].as_uri(), sha256=sha)
+    assert _leftovers(places["cache"].parent) == []
+
+
+@pytest.fixture
+def http_server(places: dict[str, Path]) -> Iterator[str]:
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(places["archive"].parent))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_download_over_http(places: dict[str, Path], http_server: str) -> None:
+    sha = uci_zip(places["archive"])
+    env = _env(places, **{sd.ENV_URL: f"{http_server}/sentiment.zip", sd.ENV_SHA256: sha})
+    got = sd.find_sentiment_data(env=env, project_root=places["root"])
+    assert (got.kind, got.origin, got.folder) == ("real", "download", places["cache"])
+    assert (places["cache"] / "yelp_labelled.txt").read_text().startswith("zipped-yelp")
+    # a 404 is a failed download like being offline: the generated set, nothing cached
+    for f in places["cache"].iterdir():
+        f.unlink()
+    places["cache"].rmdir()
+    env[sd.ENV_URL] = f"{http_server}/missing.zip"
+    got = sd.find_sentiment_data(env=env, project_root=places["root"])
+    assert got.kind == "synthetic" and "404" in got.notes[-1]
+    assert _leftovers(places["cache"].parent) == []
+
+
+def test_no_download_when_disabled_or_not_the_main_process(places: dict[str, Path]) -> None:
+    sha = uci_zip(places["archive"])
+    for url in ("", "none"):
+        got = sd.find_sentiment_data(env=_env(places, **{sd.ENV_URL: url}), project_root=places["root"])
+        assert got.kind == "synthetic" and "download disabled" in got.notes[-1]
+    got = sd.find_sentiment_data(
+        env=_env(places, **{sd.ENV_SHA256: sha}), project_root=places["root"], download=False
+    )
+    assert got.kind == "synthetic" and "no download tried" in got.notes[-1]
+    assert not places["cache"].exists()
+
+
+def test_a_named_folder_without_the_files_is_an_error(places: dict[str, Path]) -> None:
+    uci_folder(places["shared"])  # would be found, but a named folder must not be skipped silently
+    (places["flag"]).mkdir()
+    (places["flag"] / "yelp_labelled.txt").write_text("x\t1\n")
+    with pytest.raises(
+        FileNotFoundError, match=r"`--data-dir` '.*flag' lacks amazon_cells_labelled.txt, imdb"
+    ):
+        sd.find_sentiment_data(places["flag"], env=_env(places), project_root=places["root"])
+    env = _env(places, **{sd.ENV_DIR: str(places["env"])})
+    with pytest.raises(FileNotFoundError, match=r"\$DS_ENGINE_SENTIMENT_DIR '.*env' lacks .*HINT"):
+        sd.find_sentiment_data(env=env, project_root=places["root"])
+
+
+def test_cache_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sd.cache_data_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "ds_engine" / "sentiment"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert sd.cache_data_dir({}) == tmp_path / "home" / ".cache" / "ds_engine" / "sentiment"
+
+
+# ---------------------------------------------------------------------------------- the scripts' data
+class _OneProcess:
+    """What `_recipe.find_data` / `load_data` ask of the Engine, for one process."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"train_file": None, "validation_file": None, "data_dir": None, "synthetic": False,
+            "validation_fraction": 0.2, "num_examples": 100, "seed": 3}  # fmt: skip
+    return argparse.Namespace(**(base | kw))
+
+
+def test_script_flags_come_first(places: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import _recipe
+
+    for key, value in _env(places, **{sd.ENV_DIR: str(uci_folder(places["env"]))}).items():
+        monkeypatch.setenv(key, value)
+    flag = uci_folder(places["flag"])
+    engine = _OneProcess()
+    files = [str(flag / "imdb_labelled.txt")]
+    got = _recipe.find_data(_args(train_file=files, data_dir=str(flag)), engine)  # type: ignore[arg-type]
+    assert (got.kind, got.origin, got.files) == ("real", "--train-file", (Path(files[0]),))
+    got = _recipe.find_data(_args(data_dir=str(flag)), engine)  # type: ignore[arg-type]
+    assert (got.origin, got.folder) == ("--data-dir", flag)
+    got = _recipe.find_data(_args(), engine)  # type: ignore[arg-type]
+    assert (got.origin, got.folder) == (sd.ENV_DIR, places["env"])
+    got = _recipe.find_data(_args(synthetic=True), engine)  # type: ignore[arg-type]
+    assert (got.kind, got.origin) == ("synthetic", "generated")
+
+
+def test_the_real_split_is_fixed_and_stratified(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _recipe
+
+    monkeypatch.setenv(sd.ENV_DIR, str(uci_folder(places["env"])))
+    engine = _OneProcess()
+    splits = []
+    for seed in (0, 1):  # the training seed does not move the held-out sentences
+        data, source = _recipe.load_data(_args(seed=seed), places["root"], engine)  # type: ignore[arg-type]
+        assert source.kind == "real"
+        splits.append(sorted(data["validation"]["sentence"]))
+        assert (data["train"].num_rows, data["validation"].num_rows) == (24, 6)
+        assert sum(data["validation"]["label"]) == 3
+    assert splits[0] == splits[1]
+
+
+def test_falling_back_to_generated_data_warns(
+    places: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import _recipe
+
+    monkeypatch.delenv(sd.ENV_DIR, raising=False)
+    for key, value in _env(places).items():  # the archive does not exist: the download fails
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sd, "PROJECT_ROOT", places["root"])
+    data, source = _recipe.load_data(_args(), places["root"] / "out", _OneProcess())  # type: ignore[arg-type]
+    assert (source.kind, source.origin) == ("synthetic", "fallback")
+    assert (data["train"].num_rows, data["validation"].num_rows) == (80, 20)
+    err = capsys.readouterr().err  # (and the progress bars of `datasets`)
+    assert "\nWARNING: the UCI 'Sentiment Labelled Sentences' files were not found" in "\n" + err
+    assert "GENERATED sentences" in err and "download from file://" in err and "HINT: --data-dir" in err
+    # asked for explicitly: no warning
+    _recipe.load_data(_args(synthetic=True), places["root"] / "out", _OneProcess())  # type: ignore[arg-type]
+    assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="the shared UCI sentiment files are not on this machine")
+def test_the_project_folder_holds_the_real_sentences() -> None:
+    got = sd.find_sentiment_data(env={sd.ENV_URL: ""})
+    assert (got.kind, got.origin, got.folder) == ("real", "project", REAL)
+
+
+# ---------------------------------------------------------------------------------- batch order
+def test_length_grouped_batches() -> None:
+    from _recipe import LengthGroupedSampler
+
+    rng = random.Random(0)
+    lengths = [rng.randint(3, 100) for _ in range(1000)]
+    sampler = LengthGroupedSampler(lengths, 16, num_replicas=2, seed=5, group_batches=50)
+    order = list(sampler)
+    assert sorted(order) == list(range(1000)) and len(sampler) == 1000
+    assert order == list(sampler)  # the same epoch gives the same order
+    sampler.set_epoch(1)
+    assert list(sampler) != order
+    sampler.set_epoch(0)
+    batches = sampler.global_batches()
+    assert [len(b) for b in batches] == [32] * 31 + [8]  # the one short batch comes last
+    padded = sum(32 * max(lengths[i] for i in b) for b in batches[:-1])
+    real = sum(lengths[i] for b in batches[:-1] for i in b)
+    assert padded < 1.1 * real  # a random order pads to about twice the real tokens
+    for b in batches[:-1]:  # members are dealt in turn: each rank gets one of the two longest
+        ranked = sorted(lengths[i] for i in b)
+        assert min(max(lengths[i] for i in b[:16]), max(lengths[i] for i in b[16:])) >= ranked[-2]
+    assert len({tuple(sorted(lengths[i] for i in b)) for b in batches}) > 1
+    # the global batches are shuffled, not in length order
+    maxima = [max(lengths[i] for i in b) for b in batches[:-1]]
+    assert maxima != sorted(maxima) and maxima != sorted(maxima, reverse=True)

@@ -7,12 +7,19 @@ covers several configurations. The scripts are imported from `scripts/` as they 
 
 `--resume-from-step N` (with `--checkpoint-every`) then runs each scenario a second time from its
 own checkpoint of step N into `<scenario>_resumed/`, recorded as `<scenario>+resumed`.
+
+The scenarios `cls:*` / `clm:*` train on the generated sentences (`--synthetic`, a small set of
+known size). The scenario `main` is the main job as `scripts/main.sh` runs it: the classification
+script with exactly the arguments main.sh gives it (read from main.sh) and its default data, only
+stopped after `--max-steps` steps.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -23,9 +30,17 @@ from _common import parse_args, rank, write_result
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
 SCRIPTS = {"cls": "finetune_classification", "clm": "finetune_clm"}
-COMMON = ["--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24",
-          "--max-length", "32", "--num-examples", "405", "--log-every", "1", "--seed", "0"]  # fmt: skip
+COMMON = ["--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24", "--max-length", "32",
+          "--synthetic", "--num-examples", "405", "--log-every", "1", "--seed", "0"]  # fmt: skip
 EXTRA = {"cls": ["--lr", "3e-4", "--warmup-ratio", "0"], "clm": ["--lr", "3e-3", "--warmup-ratio", "0"]}
+
+
+def main_sh_arguments() -> list[str]:
+    """The arguments scripts/main.sh passes to scripts/finetune_classification.py (before "$@")."""
+    text = (ROOT / "scripts" / "main.sh").read_text().replace("\\\n", " ")
+    found = re.search(r"scripts/finetune_classification\.py(.*?)\"\$@\"", text)
+    assert found is not None, "scripts/main.sh no longer launches scripts/finetune_classification.py"
+    return shlex.split(found.group(1))
 
 
 def load(name: str) -> ModuleType:
@@ -56,6 +71,10 @@ args = parse_args(
 )
 results = {}
 for scenario in args.scenarios.split(","):
+    if scenario == "main":
+        argv = [*main_sh_arguments(), "--max-steps", str(args.max_steps), "--output-dir", f"{args.out}/main"]
+        results[scenario] = run("cls", argv) | {"argv": argv}
+        continue
     script, setting = scenario.split(":")
     engine_args = ["--backend", "accelerate"] if setting == "accelerate" else ["--zero-stage", setting]
     argv = [*COMMON, *EXTRA[script], *engine_args, "--max-steps", str(args.max_steps)]

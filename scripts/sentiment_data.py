@@ -1,8 +1,30 @@
-"""The project's own sentiment data set, and loading labelled sentence files through `datasets`.
+"""The scripts' sentiment data: the real UCI sentences found (or fetched), the generated demo set, the loader.
 
-The generator writes short review sentences labelled 1 (positive) or 0 (negative) from five
-domains (restaurants, films, phones, hotels, books). The label follows the meaning of the whole
-sentence, so no single word decides it:
+Not part of the engine: `ds_engine` trains on whatever data a script hands it. The scripts in
+this folder import this module as `sentiment_data` (they run as files, so `scripts/` is on
+`sys.path`).
+
+**The real data** is the UCI "Sentiment Labelled Sentences" set (Kotzias et al., KDD 2015,
+CC BY 4.0): 3,000 review sentences, 500 positive and 500 negative in each of
+`amazon_cells_labelled.txt`, `imdb_labelled.txt` and `yelp_labelled.txt` (sentence TAB label).
+`find_sentiment_data` looks for the folder holding them, in this order:
+
+1. `--data-dir DIR` (the scripts' flag; `--train-file` files bypass the lookup altogether);
+2. the environment variable `DS_ENGINE_SENTIMENT_DIR`;
+3. `../shared/data/sentiment` next to the project root (the folder holding `pyproject.toml`,
+   found from this file), present on the project's machines and in CI;
+4. the user's cache, `$XDG_CACHE_HOME/ds_engine/sentiment` (default `~/.cache/...`), filled
+   once by downloading the public UCI archive (`DS_ENGINE_SENTIMENT_URL`, checked against
+   `DS_ENGINE_SENTIMENT_SHA256`; both default to the official archive) when the machine is
+   online: the zip is verified before anything is unpacked, and the folder appears under its
+   final name only complete (temporary sibling + rename);
+5. otherwise the generated sentences below, and the caller warns that the data is synthetic.
+
+A folder named explicitly (1, 2) that lacks the files is an error; 3 and 4 are simply skipped.
+
+**The generated demo set** (`generate_sentiment_examples`): short review sentences labelled 1
+(positive) or 0 (negative) from five domains (restaurants, films, phones, hotels, books). The
+label follows the meaning of the whole sentence, so no single word decides it:
 
 * negation flips a clause ("the food was not good" is negative, "the plot was never boring"
   is positive), and negated and plain clauses use the same adjectives;
@@ -12,20 +34,27 @@ sentence, so no single word decides it:
 * intensifiers ("very", "extremely", ...) and domain words are spread evenly over both labels.
 
 Every word's presence alone predicts the label with well under 80 % accuracy
-(`tests/unit/test_data.py` checks it); a model has to read the composition.
+(`tests/unit/test_data.py` checks it). A rule of about 15 lines decides every sentence, so a
+score on it shows that a pipeline runs, not that a fine-tune is good.
 
-Files are TSV (`sentence<TAB>label`, no header: the format of the UCI "Sentiment Labelled
-Sentences" files, so the same loader reads both) or JSONL (`{"sentence": ..., "label": ...}`).
-Generate them with `python scripts/make_sentiment_data.py --out DIR`.
+**Files** are TSV (`sentence<TAB>label`, no header: the UCI format, so one loader reads both)
+or JSONL (`{"sentence": ..., "label": ...}`), read by `load_sentiment_files`. Write the
+generated set with `python scripts/make_sentiment_data.py --out DIR`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import json
 import os
 import random
+import shutil
 import tempfile
-from collections.abc import Sequence
+import urllib.request
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -285,3 +314,178 @@ def load_sentiment_files(
         )
         data = DatasetDict({"train": split["train"], "validation": split["test"]})
     return data
+
+
+# ---------------------------------------------------------------------------------- the real data
+UCI_FILES = ("amazon_cells_labelled.txt", "imdb_labelled.txt", "yelp_labelled.txt")
+UCI_ARCHIVE_FOLDER = "sentiment labelled sentences"  # the three files' folder inside the zip
+UCI_URL = "https://archive.ics.uci.edu/static/public/331/sentiment+labelled+sentences.zip"
+# SHA-256 of the archive at UCI_URL as pinned by independent public projects (not computed here:
+# these machines are offline). DS_ENGINE_SENTIMENT_SHA256 overrides it, DS_ENGINE_SENTIMENT_URL the URL.
+UCI_SHA256 = "afc26626d710899948693e1a61405dce197f57ffa719fa1130d346b4cc095343"
+ENV_DIR = "DS_ENGINE_SENTIMENT_DIR"
+ENV_URL = "DS_ENGINE_SENTIMENT_URL"  # "" or "none": never download
+ENV_SHA256 = "DS_ENGINE_SENTIMENT_SHA256"
+DOWNLOAD_TIMEOUT_S = 60.0
+# The project root: the folder holding pyproject.toml, found from this file (never an absolute path).
+PROJECT_ROOT = next((p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file()), None)
+
+
+@dataclass(frozen=True)
+class SentimentSource:
+    """Where the sentences come from.
+
+    Attributes:
+        kind: "real" (files) or "synthetic" (the generated set).
+        origin: which step of the lookup found them: "--train-file", "--data-dir", the environment
+            variable's name, "project", "cache", "download", "generated" (asked for) or
+            "fallback" (nothing found).
+        files: the data files (empty for the generated set).
+        notes: why earlier steps found nothing, for the warning (e.g. the download's error).
+    """
+
+    kind: Literal["real", "synthetic"]
+    origin: str
+    files: tuple[Path, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def folder(self) -> Path | None:
+        return self.files[0].parent if self.files else None
+
+
+def project_data_dir(project_root: Path | None = None) -> Path | None:
+    """`../shared/data/sentiment` seen from `project_root` (default `PROJECT_ROOT`; None if unknown)."""
+    root = PROJECT_ROOT if project_root is None else project_root
+    return None if root is None else root.parent / "shared" / "data" / "sentiment"
+
+
+def cache_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_CACHE_HOME/ds_engine/sentiment`, by default `~/.cache/ds_engine/sentiment`."""
+    env = os.environ if env is None else env
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "ds_engine" / "sentiment"
+
+
+def uci_files_in(folder: str | os.PathLike[str] | None) -> tuple[Path, ...] | None:
+    """The three UCI files in `folder`, or None unless all three are there."""
+    if folder is None:
+        return None
+    files = tuple(Path(folder) / name for name in UCI_FILES)
+    return files if all(f.is_file() for f in files) else None
+
+
+def _named_folder(folder: str | os.PathLike[str], what: str) -> tuple[Path, ...]:
+    files = uci_files_in(folder)
+    if files is None:
+        missing = [n for n in UCI_FILES if not (Path(folder) / n).is_file()]
+        raise FileNotFoundError(
+            f"{what} {os.fspath(folder)!r} lacks {', '.join(missing)} (the UCI 'Sentiment Labelled "
+            f"Sentences' files). HINT: point it at the folder that holds {', '.join(UCI_FILES)}, or "
+            f"unset it to use the default lookup"
+        )
+    return files
+
+
+def download_uci_archive(
+    dest: str | os.PathLike[str],
+    *,
+    url: str = UCI_URL,
+    sha256: str = UCI_SHA256,
+    timeout: float = DOWNLOAD_TIMEOUT_S,
+) -> tuple[Path, ...]:
+    """Download the UCI zip, check its SHA-256, unpack the three files into `dest` atomically.
+
+    Everything is written into a hidden temporary sibling of `dest` that is renamed to `dest` only
+    once it is complete, so `dest` either holds all three files or does not exist; on any error
+    the temporary folder is removed. Several processes may call this at once.
+
+    Raises:
+        OSError: the download failed (offline, HTTP error, ...); also http.client.HTTPException.
+        ValueError: the checksum differs, or the zip lacks a file.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.download."))
+    try:
+        archive = tmp / "archive.zip"
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(archive, "wb") as f:
+            while chunk := response.read(1 << 16):
+                digest.update(chunk)
+                f.write(chunk)
+        if digest.hexdigest() != sha256.strip().lower():
+            raise ValueError(
+                f"the archive from {url} has SHA-256 {digest.hexdigest()}, expected {sha256}; "
+                f"refused, nothing was unpacked. HINT: check {ENV_URL} / {ENV_SHA256}"
+            )
+        try:
+            with zipfile.ZipFile(archive) as z:
+                for name in UCI_FILES:  # only these members, never the archive's own paths
+                    (tmp / name).write_bytes(z.read(f"{UCI_ARCHIVE_FOLDER}/{name}"))
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise ValueError(f"the archive from {url} is not the UCI archive: {e}") from e
+        archive.unlink()
+        for name in UCI_FILES:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        try:
+            os.rename(tmp, dest)  # atomic; fails if another process completed `dest` first
+        except OSError:
+            if uci_files_in(dest) is None:
+                raise
+        files = uci_files_in(dest)
+        assert files is not None
+        return files
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def find_sentiment_data(
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    project_root: Path | None = None,
+    download: bool = True,
+) -> SentimentSource:
+    """Find the UCI sentences: `data_dir`, $DS_ENGINE_SENTIMENT_DIR, the project's shared folder,
+    the user's cache (downloaded into it once if `download` and online), else the generated set.
+
+    Args:
+        data_dir: a folder named by the user (`--data-dir`); it must hold the three files.
+        env: the environment to read (default `os.environ`).
+        project_root: the folder holding pyproject.toml (default `PROJECT_ROOT`, found from this file).
+        download: try the download when nothing is found locally (off on all but one process).
+
+    Returns:
+        A `SentimentSource`; `kind == "synthetic"` means nothing was found and the caller should
+        warn, with `notes` saying why.
+
+    Raises:
+        FileNotFoundError: `data_dir` or $DS_ENGINE_SENTIMENT_DIR is set but lacks the files.
+    """
+    env = os.environ if env is None else env
+    if data_dir is not None:
+        return SentimentSource("real", "--data-dir", _named_folder(data_dir, "`--data-dir`"))
+    if env.get(ENV_DIR):
+        return SentimentSource("real", ENV_DIR, _named_folder(env[ENV_DIR], f"${ENV_DIR}"))
+    files = uci_files_in(project_data_dir(project_root))
+    if files is not None:
+        return SentimentSource("real", "project", files)
+    cache = cache_data_dir(env)
+    files = uci_files_in(cache)
+    if files is not None:
+        return SentimentSource("real", "cache", files)
+    notes = [f"not in {project_data_dir(project_root)} nor in the cache {cache}"]
+    url = env.get(ENV_URL, UCI_URL)
+    if not download:
+        notes.append("no download tried on this process")
+    elif url.strip().lower() in ("", "none"):
+        notes.append(f"download disabled (${ENV_URL} is empty)")
+    else:
+        try:
+            files = download_uci_archive(cache, url=url, sha256=env.get(ENV_SHA256) or UCI_SHA256)
+            return SentimentSource("real", "download", files)
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            notes.append(f"download from {url} failed: {e}")
+    return SentimentSource("synthetic", "fallback", notes=tuple(notes))
