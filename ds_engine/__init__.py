@@ -12,6 +12,24 @@ from typing import TYPE_CHECKING, Any
 from ds_engine._version import __version__
 
 _LAZY = {
+    "Accelerator": "ds_engine.accelerator",
+    "AutocastKwargs": "ds_engine.accelerator",
+    "DataLoaderConfiguration": "ds_engine.accelerator",
+    "DeepSpeedPlugin": "ds_engine.accelerator",
+    "DistributedDataParallelKwargs": "ds_engine.accelerator",
+    "DistributedType": "ds_engine.accelerator",
+    "DummyOptim": "ds_engine.accelerator",
+    "DummyScheduler": "ds_engine.accelerator",
+    "GradScalerKwargs": "ds_engine.accelerator",
+    "GradientAccumulationPlugin": "ds_engine.accelerator",
+    "InitProcessGroupKwargs": "ds_engine.accelerator",
+    "LoggerType": "ds_engine.accelerator",
+    "PartialState": "ds_engine.accelerator",
+    "ProfileKwargs": "ds_engine.accelerator",
+    "ProjectConfiguration": "ds_engine.accelerator",
+    "find_executable_batch_size": "ds_engine.accelerator",
+    "set_seed": "ds_engine.accelerator",
+    "skip_first_batches": "ds_engine.accelerator",
     "ConfigError": "ds_engine.config",
     "EngineConfig": "ds_engine.config",
     "build_ds_config": "ds_engine.ds_config",
@@ -24,20 +42,58 @@ _LAZY = {
 }
 
 __all__ = [
+    "Accelerator",
+    "AutocastKwargs",
     "ConfigError",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
     "Engine",
     "EngineConfig",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "LoggerType",
     "OverflowAwareScheduler",
+    "PartialState",
+    "ProfileKwargs",
+    "ProjectConfiguration",
     "__version__",
     "build_ds_config",
     "estimate_memory",
+    "find_executable_batch_size",
     "is_deepspeed_available",
     "recommend_config",
+    "set_seed",
+    "skip_first_batches",
     "validate_ds_config",
 ]
 
 if TYPE_CHECKING:
     from ds_engine._imports import is_deepspeed_available
+    from ds_engine.accelerator import (
+        Accelerator,
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        DistributedType,
+        DummyOptim,
+        DummyScheduler,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        LoggerType,
+        PartialState,
+        ProfileKwargs,
+        ProjectConfiguration,
+        find_executable_batch_size,
+        set_seed,
+        skip_first_batches,
+    )
     from ds_engine.config import ConfigError, EngineConfig
     from ds_engine.ds_config import build_ds_config, validate_ds_config
     from ds_engine.engine import Engine

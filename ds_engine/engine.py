@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +28,10 @@ from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
-from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer
+from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, schedule_length
 from ds_engine.step_state import StepState
+
+_log = logging.getLogger("ds_engine")
 
 #: Environment variable `ds-engine launch --config` uses to hand a config to `Engine()`.
 CONFIG_ENV = "DS_ENGINE_CONFIG"
@@ -53,6 +58,10 @@ class Engine:
         ConfigError: for an unknown choice, a bad value, or a conflict with the JSON, before
             any process group is formed.
     """
+
+    default_schedule_reading: str = "prepared"
+    """What an LR schedule's length is read as sized from when `prepare` cannot tell (see there):
+    "prepared" here; an accelerate-compatible subclass uses "unprepared" (accelerate's convention)."""
 
     def __init__(
         self,
@@ -94,6 +103,11 @@ class Engine:
         self._optimizer: PreparedOptimizer | None = None
         self._scheduler: OverflowAwareScheduler | None = None
         self._dataloaders: list[PreparedDataLoader] = []
+        self._loader_marks: dict[int, tuple[int, int]] = {}
+        self.schedule_sized_from: str = "auto"
+        """What a prepared LR scheduler's length was computed from: "auto", "prepared" (stepped
+        once per applied optimizer step) or "unprepared" (`num_processes` times, accelerate's
+        convention); read by `prepare`, see there."""
 
     # ================================================================= facts
     @property
@@ -129,6 +143,11 @@ class Engine:
     @property
     def step_was_skipped(self) -> bool:
         """True when the last boundary's optimizer step was skipped."""
+        return self.step.step_was_skipped
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """accelerate's name for `step_was_skipped`."""
         return self.step.step_was_skipped
 
     @property
@@ -231,7 +250,7 @@ class Engine:
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() > 1:
                 dist.barrier()
-            dist.destroy_process_group()
+            self._backend.destroy_process_group()
 
     # ================================================================= model creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:
@@ -249,6 +268,26 @@ class Engine:
         Returns the prepared objects in the same order (a single object when one is given).
         "auto" values are filled from the real model, the first dataloader, the optimizer and
         the world size; dataloaders are sharded across ranks and move batches to `device`.
+
+        A prepared LR scheduler advances only for applied optimizer steps. How far per step
+        depends on what its length was computed from (`engine.schedule_sized_from`, set before
+        `prepare`):
+
+        - "prepared": the optimizer steps this run takes (`len(prepared_loader) / GA` per epoch):
+          the scheduler's `step()` once per applied optimizer step;
+        - "unprepared": the un-prepared dataloader (`len(loader) / GA` per epoch, as scripts
+          written for accelerate do): `num_processes` times per applied step, accelerate's own
+          convention, so the schedule ends where it would under accelerate (at 0 for a linear one);
+        - "auto" (default): from the schedule's length where the scheduler exposes it
+          (transformers' `get_*_schedule_with_warmup`: `num_training_steps`; torch's
+          `OneCycleLR`, `CosineAnnealingLR`, `LinearLR`), compared at GA > 1 with the training
+          dataloader's optimizer steps per epoch both ways: a length that is whole epochs of
+          only one of them decides. Otherwise (a length that fits both, as it does whenever the
+          data divides evenly and the epochs are a multiple of the processes; an unknown
+          length; GA=1, where the loop may accumulate by hand) the class's
+          `default_schedule_reading`: "prepared" for `Engine` (its documented convention),
+          "unprepared" for the accelerate-compatible `Accelerator`. One log line on the main
+          process says which reading was applied and why (a warning where it was the default).
         """
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
@@ -290,20 +329,102 @@ class Engine:
             )
             self._model = wrapped
             self._guard_direct_backward(self.unwrap_model(wrapped))
+            _guard_save_pretrained(self.unwrap_model(wrapped))
             prepared[id(model)] = wrapped
             if backend_optimizer is not None:
                 self._optimizer = PreparedOptimizer(
-                    backend_optimizer, step=self._optimizer_step, zero_grad=self._zero_grad
+                    backend_optimizer,
+                    step=self._optimizer_step,
+                    zero_grad=self._zero_grad,
+                    step_state=self.step,
                 )
                 if optimizer is not None:
                     prepared[id(optimizer)] = self._optimizer
             if scheduler is not None:
-                self._scheduler = OverflowAwareScheduler(scheduler, self.step)
+                self._scheduler = self._wrap_scheduler(
+                    scheduler, prepared[id(loaders[0])] if loaders else None
+                )
                 prepared[id(scheduler)] = self._scheduler
             elif backend_scheduler is not None:
                 self._scheduler = OverflowAwareScheduler(backend_scheduler, self.step, engine_steps_it=True)
         result = tuple(prepared[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
+
+    def _wrap_scheduler(
+        self, scheduler: Any, loader: PreparedDataLoader | None = None
+    ) -> OverflowAwareScheduler:
+        """The prepared form of a user's LR scheduler; `loader`: the training dataloader (default:
+        the first one prepared so far)."""
+        if loader is None and self._dataloaders:
+            loader = self._dataloaders[0]
+        per_step = self._schedule_steps_per_optimizer_step(scheduler, loader)
+        return OverflowAwareScheduler(scheduler, self.step, steps_per_optimizer_step=per_step)
+
+    def _schedule_steps_per_optimizer_step(self, scheduler: Any, loader: PreparedDataLoader | None) -> int:
+        """How many times the scheduler's `step()` runs per applied optimizer step (see `prepare`)."""
+        sized_from = self.schedule_sized_from
+        if sized_from not in ("auto", "prepared", "unprepared"):
+            raise ValueError(
+                f"`engine.schedule_sized_from = {sized_from!r}`; allowed: 'auto', 'prepared', "
+                "'unprepared'. HINT: 'unprepared' when num_training_steps came from "
+                "len(dataloader) before `prepare` (accelerate's scripts), else 'prepared'."
+            )
+        world = self.num_processes
+        if world == 1:
+            return 1  # both readings agree
+        if sized_from != "auto":
+            return world if sized_from == "unprepared" else 1
+        total = schedule_length(scheduler)
+        ga = self.config.gradient_accumulation_steps
+        chosen, guess = self.default_schedule_reading, True
+        only_chosen_fits = False  # is the length whole epochs of the reading applied, and not the other?
+        if total is None:
+            why = "its length is unknown"
+        elif loader is None:
+            why = "no dataloader was prepared"
+        else:
+            unprepared_len, prepared_len = len(loader.base_dataloader), len(loader)
+
+            def fits(batches: int) -> bool:  # whole epochs of `batches / GA` optimizer steps
+                per_epoch = {math.ceil(batches / ga), batches // ga} - {0}
+                return any(total >= n and total % n == 0 for n in per_epoch)
+
+            by = {"prepared": fits(prepared_len), "unprepared": fits(unprepared_len)}
+            sizes = f"{unprepared_len} batches un-prepared, {prepared_len} per process, GA {ga}"
+            if ga == 1:
+                # a loop accumulating by hand (`loss / gas`, step every gas batches) sizes its
+                # schedule as len / gas, which may look like either reading: never decide from it
+                why = (
+                    f"at gradient_accumulation_steps=1 its length ({total} steps; {sizes}) does not "
+                    "tell (the loop may accumulate by hand, `loss / gas`, with any gas)"
+                )
+            else:
+                if by["prepared"] != by["unprepared"]:
+                    chosen, guess = ("unprepared" if by["unprepared"] else "prepared"), False
+                reading = (
+                    f"is whole epochs of the {chosen} dataloader only"
+                    if not guess
+                    else ("fits both readings" if by["prepared"] else "fits neither reading")
+                )
+                why = f"its length ({total} steps) {reading} ({sizes})"
+            only_chosen_fits = by[chosen] and not by["unprepared" if chosen == "prepared" else "prepared"]
+        if guess:
+            why += f"; the default reading of {type(self).__name__}"
+        per_step = world if chosen == "unprepared" else 1
+        if self.is_main_process:
+            # a warning where the reading applied is a guess the length does not single out
+            _log.log(
+                logging.WARNING if guess and not only_chosen_fits else logging.INFO,
+                "ds_engine: the LR schedule is read as sized from the %s dataloader, so it advances %d "
+                "time(s) per applied optimizer step on %d processes: %s. HINT: set "
+                "`engine.schedule_sized_from = %r` before `prepare` for the other reading.",
+                chosen,
+                per_step,
+                world,
+                why,
+                "prepared" if chosen == "unprepared" else "unprepared",
+            )
+        return per_step
 
     def _prepare_dataloader(self, loader: DataLoader) -> PreparedDataLoader:
         prepared = PreparedDataLoader(
@@ -322,10 +443,32 @@ class Engine:
             if loader in self._loaders_in_progress:
                 self._loaders_in_progress.remove(loader)
             self._loaders_in_progress.append(loader)
+        self._loader_marks.setdefault(id(loader), self._marks())
+
+    def _marks(self) -> tuple[int, int]:
+        """(optimizer steps taken, skipped included; micro-steps)."""
+        return self.step.num_optimizer_steps + self.step.num_skipped_steps, self.step.num_micro_steps
 
     def _on_loader_end(self, loader: PreparedDataLoader) -> None:
         if loader in self._loaders_in_progress:
             self._loaders_in_progress.remove(loader)
+        start = self._loader_marks.pop(id(loader), None)
+        finished = loader.batch_index == len(loader)  # not a `break` or an exception
+        if finished and start is not None and self.step.grads_pending:
+            (steps_before, micro_before), (steps_now, micro_now) = start, self._marks()
+            never_stepped = steps_now == steps_before and micro_now > micro_before
+        else:
+            never_stepped = False
+        if never_stepped:
+            # At GA=1 gradients add up until `step()` (hand-written accumulation); a whole
+            # epoch of `backward` without one optimizer step is a loop that never trains.
+            raise RuntimeError(
+                f"a whole pass over a prepared dataloader ({len(loader)} micro-steps) called "
+                "`engine.backward` but never `optimizer.step()`: its gradients were accumulated and "
+                "never applied. HINT: call `optimizer.step()` and `optimizer.zero_grad()` after "
+                "`engine.backward(loss)` (every micro-step, or every N micro-steps when you "
+                "accumulate by hand)."
+            )
 
     # ================================================================= the training step
     def _guard_direct_backward(self, module: torch.nn.Module) -> None:
@@ -355,18 +498,29 @@ class Engine:
 
     def _begin_micro_step(self) -> None:
         """Decide whether this micro-step ends an accumulation window, and the window's length."""
-        if self.step.grads_pending and self.step.boundary and not self.step.stepped:
-            raise RuntimeError(
-                f"a new micro-step began, but the previous one (micro-step {self.num_micro_steps}) ended "
-                f"an accumulation window (gradient_accumulation_steps="
-                f"{self.config.gradient_accumulation_steps}) and `optimizer.step()` was not called "
-                "after its `engine.backward`: its gradients would be mixed into the next window or "
-                "lost. HINT: let the Engine accumulate: Engine(gradient_accumulation_steps=N), call "
-                "`engine.backward(loss)` (without dividing the loss by N) and then `optimizer.step()`, "
-                "`scheduler.step()`, `optimizer.zero_grad()` on every micro-step, ideally inside "
-                "`with engine.accumulate(model):`; they take effect only at boundaries."
-            )
         ga = self.config.gradient_accumulation_steps
+        if self.step.grads_pending and self.step.boundary and not self.step.stepped:
+            # At GA=1 the user owns accumulation (accelerate's hand-written loop: `loss / gas`,
+            # `step()` every gas micro-steps): gradients keep adding up until their `step()`,
+            # exactly as in plain torch, on every backend that can defer its reduction.
+            problem = self._backend.user_accumulation_problem() if ga == 1 else ""
+            if ga > 1 or problem:
+                why = (
+                    f" ({problem})"
+                    if problem
+                    else ": its gradients would be mixed into the next window or lost"
+                )
+                raise RuntimeError(
+                    f"a new micro-step began, but the previous one (micro-step {self.num_micro_steps}) "
+                    f"ended an accumulation window (gradient_accumulation_steps={ga}) and "
+                    f"`optimizer.step()` was not called after its `engine.backward`{why}. HINT: let the "
+                    "Engine accumulate: Engine(gradient_accumulation_steps=N), call "
+                    "`engine.backward(loss)` (without dividing the loss by N) and then "
+                    "`optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()` on every "
+                    "micro-step, ideally inside `with engine.accumulate(model):`; they take effect "
+                    "only at boundaries. Accumulating by hand (`loss / N`, `step()` every N "
+                    "micro-steps) needs Engine(gradient_accumulation_steps=1)."
+                )
         loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
         if loader is not None:
             index, length = loader.batch_index, len(loader)
@@ -626,6 +780,34 @@ class Engine:
         """
         return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen)
 
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """accelerate's `save`: write `obj` to `f` on the main process only (a no-op elsewhere).
+
+        Atomic: written to a hidden temporary sibling, fsynced and renamed into place, so `f`
+        never holds a partly written file. `torch.save`, or safetensors' `save_file` when
+        `safe_serialization` (then `obj` must be a dict of tensors). Not collective: any rank
+        may call it; only rank 0 writes. Usable as transformers' `save_function`.
+        """
+        if not self.is_main_process:
+            return
+        from ds_engine._io import fsync_dir, fsync_file
+
+        path = Path(os.fspath(f))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            if safe_serialization:
+                from safetensors.torch import save_file
+
+                save_file(obj, str(tmp), metadata={"format": "pt"})
+            else:
+                torch.save(obj, tmp)
+            fsync_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
     def save_pretrained(
         self,
         model: torch.nn.Module,
@@ -724,6 +906,57 @@ class Engine:
         return load_training_checkpoint(
             directory, backend=self._backend, model=self._model, state=self, tag=tag
         )
+
+
+def _is_partitioned(module: torch.nn.Module) -> bool:
+    """Some parameter holds only this rank's shard (ZeRO-3, FSDP2): its `state_dict()` is not whole."""
+    for param in module.parameters():
+        if hasattr(param, "full_tensor"):  # FSDP2 DTensor
+            return True
+        if hasattr(param, "ds_id") and getattr(param, "ds_numel", param.numel()) != param.numel():
+            return True  # ZeRO-3: the local tensor is empty outside a gather
+    return False
+
+
+def _save_pretrained_on_main(module: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """A prepared model's `save_pretrained`: written by rank 0 only; refuses a sharded model's
+    own (partial) state dict.
+
+    accelerate's idiom calls ``unwrap_model(model).save_pretrained(dir,
+    state_dict=engine.get_state_dict(model), save_function=engine.save)`` on every rank:
+    `get_state_dict` is collective and returns the full dict on rank 0, None elsewhere, so
+    every other rank would fall back to its own `state_dict()` (empty ZeRO-3 shards) and,
+    on transformers releases that do not check the rank themselves, write them over rank 0's
+    files. Here every rank but 0 returns at once; `is_main_process=` passed explicitly, or
+    `distributed_checkpoint=True` (transformers' collective format), keep transformers' own
+    behaviour.
+    """
+    explicit = "is_main_process" in kwargs or kwargs.get("distributed_checkpoint")
+    original = type(module).save_pretrained
+    if explicit:
+        return original(module, save_directory, *args, **kwargs)
+    state_dict = kwargs.get("state_dict", args[1] if len(args) > 1 else None)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if state_dict is None and _is_partitioned(module):
+        if rank != 0:
+            return None  # rank 0 raises below; the others have nothing to write
+        raise ValueError(
+            "`save_pretrained` on a model whose parameters are sharded (ZeRO-3 / FSDP) without "
+            "`state_dict=`: its own state dict holds only this rank's shard. HINT: pass "
+            "`state_dict=engine.get_state_dict(model)` (call it on every rank), or use "
+            "`engine.save_pretrained(model, dir)`."
+        )
+    if rank != 0:
+        return None
+    return original(module, save_directory, *args, **kwargs)
+
+
+def _guard_save_pretrained(module: torch.nn.Module) -> None:
+    """Route the prepared model's `save_pretrained` through `_save_pretrained_on_main` (per instance)."""
+    import types
+
+    if callable(getattr(type(module), "save_pretrained", None)):
+        module.__dict__["save_pretrained"] = types.MethodType(_save_pretrained_on_main, module)
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

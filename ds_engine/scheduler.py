@@ -2,8 +2,11 @@
 
 `OverflowAwareScheduler` advances exactly once per *applied* optimizer step: a call on a
 non-boundary micro-step, a second call for the same optimizer step, or a call after a step
-that was skipped (fp16 loss-scale overflow, non-finite gradients) is a no-op. It never
-advances `num_processes` times (accelerate's "split_batches=False" trap).
+that was skipped (fp16 loss-scale overflow, non-finite gradients) is a no-op. By default
+it calls the wrapped scheduler's `step()` once then; a schedule sized from the un-prepared
+dataloader (accelerate's convention, which steps a prepared scheduler `num_processes` times per
+optimizer step) is stepped `steps_per_optimizer_step` times instead, so it ends where its author
+expects (the Engine decides which, see `Engine.prepare`).
 """
 
 from __future__ import annotations
@@ -27,14 +30,37 @@ class PreparedOptimizer(torch.optim.Optimizer):
         optimizer: the backend's optimizer (DeepSpeed's wrapper, or accelerate's).
         step: the Engine's step decision, called by `step()`.
         zero_grad: the Engine's zero_grad decision, called by `zero_grad()`.
+        step_state: the Engine's step state (`is_overflow` reads it); None: never skipped.
     """
 
     def __init__(
-        self, optimizer: Any, *, step: Callable[[], None], zero_grad: Callable[[], None]
+        self,
+        optimizer: Any,
+        *,
+        step: Callable[[], None],
+        zero_grad: Callable[[], None],
+        step_state: StepState | None = None,
     ) -> None:  # no super().__init__: a view
         self.optimizer = optimizer
         self._step = step
         self._zero_grad = zero_grad
+        self._step_state = step_state
+
+    @property
+    def is_overflow(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 loss-scale overflow, DeepSpeed's
+        bf16 check, non-finite gradients): accelerate's DeepSpeed optimizer attribute.
+
+        The prepared scheduler already stands still on such a step, so the accelerate idiom
+        ``if not optimizer.is_overflow: lr_scheduler.step()`` advances it exactly once per
+        applied step as well (never twice, never on a skipped one).
+        """
+        return bool(self._step_state is not None and self._step_state.step_was_skipped)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """accelerate's `AcceleratedOptimizer.step_was_skipped`: the same as `is_overflow`."""
+        return self.is_overflow
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -83,6 +109,28 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
+def schedule_length(scheduler: Any) -> int | None:
+    """The number of `step()` calls a schedule is sized for, where the scheduler says so.
+
+    transformers' `get_*_schedule_with_warmup` keep it in the `functools.partial` of their
+    `LambdaLR` (`num_training_steps`; warmup + stable + decay for warmup-stable-decay); torch's
+    `OneCycleLR` has `total_steps`, `CosineAnnealingLR` `T_max`, `LinearLR` / `PolynomialLR`
+    `total_iters`. None for anything else (a custom lambda, a constant schedule).
+    """
+    for fn in getattr(scheduler, "lr_lambdas", None) or []:
+        keywords = getattr(fn, "keywords", None) or {}
+        if isinstance(keywords.get("num_training_steps"), int):
+            return int(keywords["num_training_steps"])
+        parts = ("num_warmup_steps", "num_stable_steps", "num_decay_steps")
+        if all(isinstance(keywords.get(k), int) for k in parts):
+            return sum(int(keywords[k]) for k in parts)
+    for name in ("total_steps", "T_max", "total_iters"):
+        value = getattr(scheduler, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 class OverflowAwareScheduler:
     """Wraps any torch LR scheduler; advances once per applied optimizer step.
 
@@ -94,12 +142,23 @@ class OverflowAwareScheduler:
             applied step (DeepSpeed's native scheduler); `step()` is then always a no-op here.
     """
 
-    def __init__(self, scheduler: Any, state: StepState, *, engine_steps_it: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        state: StepState,
+        *,
+        engine_steps_it: bool = False,
+        steps_per_optimizer_step: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self._state = state
         self._engine_steps_it = engine_steps_it
         self._last_stepped_for = 0  # the applied-step count this scheduler last advanced for
         self.num_steps = 0
+        """Applied optimizer steps this scheduler advanced for."""
+        self.steps_per_optimizer_step = int(steps_per_optimizer_step)
+        """The wrapped scheduler's `step()` calls per applied optimizer step: 1, or the number of
+        processes for a schedule sized from the un-prepared dataloader (accelerate's convention)."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule if an optimizer step was just applied and not yet counted."""
@@ -112,7 +171,8 @@ class OverflowAwareScheduler:
             return  # already advanced for this optimizer step
         self._last_stepped_for = state.num_optimizer_steps
         self.num_steps += 1
-        self.scheduler.step(*args, **kwargs)
+        for _ in range(self.steps_per_optimizer_step):
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return list(self.scheduler.get_last_lr())
@@ -125,6 +185,7 @@ class OverflowAwareScheduler:
             "scheduler": self.scheduler.state_dict(),
             "last_stepped_for": self._last_stepped_for,
             "num_steps": self.num_steps,
+            "steps_per_optimizer_step": self.steps_per_optimizer_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -98,6 +98,12 @@ class Backend(abc.ABC):
     def setup_distributed(self) -> None:
         """Form the process group (idempotent)."""
 
+    def destroy_process_group(self) -> None:
+        """Destroy the (initialised) world process group, and whatever the backend cached of it."""
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
     @property
     @abc.abstractmethod
     def device(self) -> torch.device: ...
@@ -127,6 +133,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
         """Backward of `loss * scale`; gradients reduced across ranks only at a boundary."""
+
+    def user_accumulation_problem(self) -> str:
+        """'' when several `backward` calls before one optimizer step add up exactly at GA=1
+        (the user accumulates by hand); else why this backend cannot (the Engine refuses then)."""
+        return ""
 
     @abc.abstractmethod
     def optimizer_step(self) -> StepOutcome:

@@ -68,6 +68,7 @@ class DeepSpeedBackend(Backend):
         self.ds_engine: Any = None
         self._ds_config: dict[str, Any] | None = None
         self._coalesce: contextlib.ExitStack | None = None
+        self._unmanaged = False  # DeepSpeed's managed_gradient_accumulation=false: step() is the boundary
 
     # -------------------------------------------------------------- process group
     def setup_distributed(self) -> None:
@@ -84,6 +85,16 @@ class DeepSpeedBackend(Backend):
             verbose=False,
         )
         destroy_process_group_at_exit()
+
+    def destroy_process_group(self) -> None:
+        """Through DeepSpeed, so it also drops its cached groups (a later Engine in this process
+        would otherwise reduce over the destroyed ones)."""
+        import deepspeed.comm as ds_comm
+
+        if ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            super().destroy_process_group()
 
     @property
     def device(self) -> torch.device:
@@ -169,6 +180,9 @@ class DeepSpeedBackend(Backend):
                 "silently. "
                 "HINT: remove one of them."
             )
+        self._unmanaged = self._defer_reduction_to_step(ds_config)
+        if self._unmanaged and "managed_gradient_accumulation" not in ds_config:
+            ds_config["managed_gradient_accumulation"] = False
         params = [p for p in model.parameters() if p.requires_grad] if optimizer is None else None
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model,
@@ -180,6 +194,47 @@ class DeepSpeedBackend(Backend):
         self.ds_engine = engine
         self._ds_config = ds_config
         return engine, ds_optimizer, ds_scheduler
+
+    def _defer_reduction_to_step(self, ds_config: dict[str, Any]) -> bool:
+        """Whether DeepSpeed runs with `managed_gradient_accumulation: false` (step() is the boundary).
+
+        At GA=1 the user may accumulate by hand (`loss / gas`, `step()` every gas micro-steps).
+        With DeepSpeed's own boundary every backward is a boundary, and ZeRO-1/2 then keep only
+        the last backward's gradients; in the unmanaged mode `backward` only accumulates and
+        `step()` reduces (ZeRO-1) or finalizes what each backward reduced (ZeRO-2), so the
+        applied gradient is the sum of every backward since the last step, as in plain torch.
+        The canonical one-backward-per-step loop does the same reductions either way. ZeRO-0
+        and ZeRO-3 already add up across boundaries (ZeRO-0 averages in place, ZeRO-3
+        accumulates its gradient partitions until `step()`) and stay managed; so does ZeRO-1
+        with `overlap_comm` (DeepSpeed refuses it unmanaged) and coalesced reduction (which
+        needs the managed mode). A value in the user's JSON is kept as written.
+        """
+        if "managed_gradient_accumulation" in ds_config:
+            return not bool(ds_config["managed_gradient_accumulation"])
+        zero = ds_config.get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+        return (
+            int(ds_config.get("gradient_accumulation_steps", 1)) == 1
+            and stage in (1, 2)
+            and not (stage == 1 and zero.get("overlap_comm"))
+            and not self.effective.coalesce_grad_reduction
+        )
+
+    def user_accumulation_problem(self) -> str:
+        if self._unmanaged or self.ds_engine is None:
+            return ""
+        stage = int(self.ds_engine.zero_optimization_stage())
+        if stage in (0, 3):
+            return ""
+        if self._coalesce is not None:
+            return ""  # inside coalesce_grad_reduction: gradients stay local until the step
+        why = "with overlap_comm=True" if stage == 1 else "with DeepSpeed's managed accumulation"
+        return (
+            f"DeepSpeed ZeRO-{stage} {why} keeps only the last backward's gradients at a boundary; "
+            "at gradient_accumulation_steps=1 ds_engine defers the reduction to `step()` "
+            "(managed_gradient_accumulation=false) unless overlap_comm is set on ZeRO-1 or the "
+            "JSON sets managed_gradient_accumulation"
+        )
 
     def _config_for(self, model: torch.nn.Module | None) -> ResolvedConfig:
         """The run's resolution, with DeepSpeed's bucket defaults where "auto" has no hidden size.
@@ -241,6 +296,8 @@ class DeepSpeedBackend(Backend):
         self, model: torch.nn.Module, *, boundary: bool, window_start: bool
     ) -> contextlib.AbstractContextManager[None]:
         engine = self.ds_engine
+        if self._unmanaged:
+            return contextlib.nullcontext()  # DeepSpeed's boundary is the next step()
         engine.set_gradient_accumulation_boundary(boundary)
         if self.effective.coalesce_grad_reduction and window_start and self._coalesce is None:
             self._enter_coalesce()
@@ -274,7 +331,8 @@ class DeepSpeedBackend(Backend):
 
     def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
         engine = self.ds_engine
-        engine.set_gradient_accumulation_boundary(boundary)
+        if not self._unmanaged:
+            engine.set_gradient_accumulation_boundary(boundary)
         # Our own divisor (the real window length, also for a short last window) instead of
         # DeepSpeed's fixed division by the configured GA. Always a new tensor, even for a
         # scale of 1: DeepSpeed's forward hooks its outputs to divide their gradient by GA
@@ -288,9 +346,11 @@ class DeepSpeedBackend(Backend):
         if self._coalesce is not None:
             coalesce, self._coalesce = self._coalesce, None
             coalesce.close()  # one reduction pass for the whole window
-        engine.set_gradient_accumulation_boundary(True)
+        if not self._unmanaged:
+            engine.set_gradient_accumulation_boundary(True)
         own_norm = None
-        if engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        low_precision = engine.fp16_enabled() or engine.bfloat16_enabled()
+        if engine.zero_optimization_stage() == 0 and not low_precision and not self._unmanaged:
             own_norm = _local_grad_norm(engine.module)  # gradients are all-reduced: the global norm
             if self.effective.skip_nonfinite_steps and not math.isfinite(own_norm):
                 # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip the step ourselves

@@ -96,8 +96,13 @@ def _aborted_after_finishing(output: str, out: Path, nproc: int) -> bool:
     a run is judged by its results; any other failure (a traceback, another exit code or
     signal, a missing result) still fails.
     """
+    return only_exit_abort(output, finished=all((out / f"rank{rank}.json").exists() for rank in range(nproc)))
+
+
+def only_exit_abort(output: str, *, finished: bool) -> bool:
+    """True when the work `finished` (its results are written) and torchrun's `output` shows no
+    failure but torch's exit-time abort (see `_aborted_after_finishing`); warns when so."""
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
-    finished = all((out / f"rank{rank}.json").exists() for rank in range(nproc))
     if not (finished and _EXIT_ABORT in output and "-6" in codes):
         return False
     if not set(codes) <= {"-6", "-15"} or re.search(r"^\[rank\d+\]: Traceback", output, re.M):

@@ -140,19 +140,22 @@ def direct_loss_backward(engine, model, optimizer, loader, gas):
             optimizer.zero_grad()
 
 
-# name -> (Engine GA, loop, gas the loop uses, expected): expected is "trains", or the
-# (micro-steps taken, optimizer steps applied) when the error is raised.
+# name -> (Engine GA, loop, gas the loop uses, expected): expected is "trains" (the canonical
+# loop's weights), "runs" (no error, 4 optimizer steps: its own windows, whose applied gradients
+# test_hand_accumulation.py checks), or the (micro-steps taken, optimizer steps applied) when
+# the error is raised.
 SHAPES = {
     "canonical_ga2": (2, canonical, 2, "trains"),
     "no_accumulate_ga2": (2, no_accumulate_step_every_micro_step, 2, "trains"),
     "zero_grad_first_ga2": (2, zero_grad_first, 2, "trains"),
-    # GA=1: the 2nd backward finds the 1st boundary without its step
-    "hand_written_ga1": (1, hand_written_accumulation, 2, (1, 0)),
-    "hand_written_first_step_ga1": (1, hand_written_accumulation_first_step, 2, (2, 1)),
-    # GA=2: the user's steps fall off the Engine's boundaries
+    # GA=1: the user accumulates by hand; gradients add up until their step(), as in torch
+    "hand_written_ga1": (1, hand_written_accumulation, 2, "trains"),
+    "hand_written_first_step_ga1": (1, hand_written_accumulation_first_step, 2, "runs"),
+    # GA=2: the user's steps fall off the Engine's boundaries (two accumulators disagree)
     "hand_written_ga2": (2, hand_written_accumulation_first_step, 2, (2, 0)),
     "backward_without_step_ga2": (2, backward_without_step, 2, (2, 0)),
-    "backward_without_step_ga1": (1, backward_without_step, 1, (1, 0)),
+    # GA=1: accumulation that is never applied: refused when the epoch ends without a step
+    "backward_without_step_ga1": (1, backward_without_step, 1, (8, 0)),
     "zero_grad_before_step_ga1": (1, zero_grad_before_step, 1, (1, 0)),
     "step_before_backward_ga2": (2, step_before_backward, 2, (2, 0)),
     "two_backwards_ga2": (2, two_backwards_in_one_micro_step, 2, (1, 0)),
@@ -191,6 +194,7 @@ def run_shape(name: str, backend: str, stage: int, world: int) -> dict:
         "optimizer_steps": engine.num_optimizer_steps,
         "weights_unchanged": unchanged,
         "final": {k: v.tolist() for k, v in final.items()} if expected == "trains" else None,
+        "has_unapplied_gradients": engine.has_unapplied_gradients,
     }
 
 
