@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import re
@@ -326,6 +327,16 @@ class DeepSpeedPluginView:
         return f"DeepSpeedPluginView(zero_stage={self.zero_stage})"
 
 
+#: Said once (main process, the "ds_engine" logger at INFO) when an Accelerator is built.
+SEMANTICS_NOTE = (
+    "ds_engine.Accelerator keeps ds_engine's semantics where they differ from accelerate's: "
+    "gradients are reduced and applied only at accumulation boundaries (every GA micro-steps and "
+    "the loader's last batch), a short last window is divided by its real length, and a skipped "
+    "step (fp16 overflow, non-finite gradients) advances neither the optimizer nor the LR "
+    "scheduler. Every difference: docs/accelerate_compat.md"
+)
+
+
 class AcceleratorStateView:
     """`accelerator.state`: accelerate's process state, with this run's facts where they differ.
 
@@ -541,6 +552,8 @@ class Accelerator(Engine):
         # PartialState: initialise one on the Engine's group (it adopts the existing group).
         self._dist()
         PartialState(cpu=not torch.cuda.is_available())
+        if self.is_main_process:
+            logging.getLogger("ds_engine").info(SEMANTICS_NOTE)
 
     # ================================================================= facts
     @property

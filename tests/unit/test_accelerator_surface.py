@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ds_engine
+import ds_engine.accelerator as accelerator_module
 from ds_engine.accelerator import COMPAT, DIFFERS, NOT_APPLICABLE, SUPPORTED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,3 +339,10 @@ def test_deepspeed_facts_plugin_view_and_dummies():
             acc.clip_grad_value_(model.parameters(), 1.0)
     finally:
         acc.end_training()
+
+
+def test_the_semantics_it_keeps_are_said_once_in_the_log(caplog):
+    with caplog.at_level(logging.INFO, logger="ds_engine"):
+        _acc(cpu=True)
+    said = [r.getMessage() for r in caplog.records if r.getMessage() == accelerator_module.SEMANTICS_NOTE]
+    assert len(said) == 1 and "accumulation boundaries" in said[0]
