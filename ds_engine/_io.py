@@ -18,7 +18,7 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +116,22 @@ def write_json(path: Path, content: Mapping[str, Any]) -> None:
     fsync_file(path)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_file_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` into a hidden temporary sibling, fsync it and rename it to `path`: `path`
+    never holds a partly written file (the temporary file is removed if `write` fails)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_file_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def listing(path: Path, limit: int = 12) -> str:

@@ -790,23 +790,17 @@ class Engine:
         """
         if not self.is_main_process:
             return
-        from ds_engine._io import fsync_dir, fsync_file
+        from ds_engine._io import write_file_atomic
 
-        path = Path(os.fspath(f))
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
+        def write(tmp: Path) -> None:
             if safe_serialization:
                 from safetensors.torch import save_file
 
                 save_file(obj, str(tmp), metadata={"format": "pt"})
             else:
                 torch.save(obj, tmp)
-            fsync_file(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
+
+        write_file_atomic(Path(os.fspath(f)), write)
 
     def save_pretrained(
         self,

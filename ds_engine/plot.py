@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ds_engine._io import write_file_atomic
+
 INSTALL_HINT = 'pip install "ds-engine[matplotlib]"  (or: pip install "matplotlib>=3.7")'
 
 #: Evaluation metrics drawn in the last panel, with their labels.
@@ -138,12 +140,7 @@ def plot_metrics(
         ax.margins(x=0.06)  # room for the value labels at the first and last evaluation
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_file_atomic(out, lambda tmp: fig.savefig(tmp, format="png"))
     return out
 
 

@@ -243,6 +243,54 @@ class LengthGroupedSampler(Sampler[int]):
         return iter([i for batch in self.global_batches() for i in batch])
 
 
+def tokenized_dataloaders(
+    raw: Any,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    collate: Any,
+    *,
+    num_replicas: int,
+    labels: bool,
+) -> tuple[Any, DataLoader, DataLoader]:
+    """Tokenise `raw` (the `load_data` DatasetDict) and build the loaders: `(data, train_dl, eval_dl)`.
+
+    Batched tokenisation through `datasets.map`, truncated to --max-length and not padded: the
+    collator pads each batch to its own longest sentence. The validation split is put in length
+    order (a metric over the whole split does not depend on the order; padding does), and with
+    --group-by-length the training order is length-grouped (`make_dataloaders`). `labels`: keep
+    the sentence labels as `labels` (classification) or drop them (language modelling: only
+    `input_ids` and `attention_mask`). keep_in_memory: ranks tokenising at once must not race on
+    datasets' cache files.
+    """
+
+    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
+        encoded = dict(tokenizer(rows["sentence"], truncation=True, max_length=args.max_length))
+        if not labels:
+            encoded = {k: encoded[k] for k in ("input_ids", "attention_mask")}
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    dropped = ["sentence"] if labels else ["sentence", "label"]
+    data = raw.map(tokenize, batched=True, remove_columns=dropped, keep_in_memory=True)
+    lengths = {split: list(ds["length"]) for split, ds in data.items()}
+    data = data.remove_columns("length")
+    if labels:
+        data = data.rename_column("label", "labels")
+    data = data.with_format("torch")
+    data["validation"] = data["validation"].select(
+        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
+        keep_in_memory=True,
+    )
+    train_dl, eval_dl = make_dataloaders(
+        data,
+        args,
+        collate,
+        lengths=lengths["train"] if args.group_by_length else None,
+        num_replicas=num_replicas,
+    )
+    return data, train_dl, eval_dl
+
+
 def make_dataloaders(
     data: Any,
     args: argparse.Namespace,

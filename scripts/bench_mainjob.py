@@ -121,7 +121,7 @@ class _DataHost:
 
 def prepare_data(args: argparse.Namespace, rank: int, scratch: Path) -> dict[str, Any]:
     """Data, tokenisation and loaders exactly as `finetune_classification.main` builds them."""
-    from _recipe import load_data, make_dataloaders, minilm_path
+    from _recipe import load_data, minilm_path, tokenized_dataloaders
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
     raw, source = load_data(args, scratch, _DataHost(rank))  # type: ignore[arg-type]
@@ -130,25 +130,9 @@ def prepare_data(args: argparse.Namespace, rank: int, scratch: Path) -> dict[str
     model_path = args.model or minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
-        encoded = tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
-        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
-        return encoded
-
-    data = raw.map(tokenize, batched=True, remove_columns=["sentence"], keep_in_memory=True)
-    lengths = {split: list(ds["length"]) for split, ds in data.items()}
-    data = data.remove_columns("length").rename_column("label", "labels").with_format("torch")
-    data["validation"] = data["validation"].select(
-        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
-        keep_in_memory=True,
-    )
     collate = DataCollatorWithPadding(tokenizer)
-    train_dl, eval_dl = make_dataloaders(
-        data,
-        args,
-        collate,
-        lengths=lengths["train"] if args.group_by_length else None,
-        num_replicas=PROCESSES,
+    data, train_dl, eval_dl = tokenized_dataloaders(
+        raw, tokenizer, args, collate, num_replicas=PROCESSES, labels=True
     )
     return {
         "data": data,
@@ -423,15 +407,7 @@ def _train_accelerate(args: argparse.Namespace, prep: dict[str, Any]) -> dict[st
     train_s = clock.finish()
 
     eval_start = time.perf_counter()
-    model.eval()
-    hits = []
-    with torch.no_grad():
-        for batch in eval_dl:
-            labels = batch.pop("labels")
-            hit = (model(**batch).logits.float().argmax(-1) == labels).double()
-            hits.append(accelerator.gather_for_metrics(hit))
-    all_hits = torch.cat(hits)
-    correct = torch.stack([all_hits.sum(), torch.tensor(float(len(all_hits)), dtype=torch.float64)])
+    correct = _correct_and_count(model, eval_dl, accelerator.gather_for_metrics)
     return _result(clock, train_s, time.perf_counter() - eval_start, correct, total, extra={"ga": ga})
 
 
@@ -493,15 +469,22 @@ def _train_ds_engine(
     train_s = clock.finish()
 
     eval_start = time.perf_counter()
+    correct = _correct_and_count(model, eval_dl, engine.gather_for_metrics)
+    return _result(clock, train_s, time.perf_counter() - eval_start, correct, total, extra=extra)
+
+
+def _correct_and_count(model: Any, eval_dl: Any, gather_for_metrics: Any) -> Any:
+    """(correct, count) over the whole validation set, each sentence once (`gather_for_metrics`)."""
+    import torch
+
     model.eval()
     hits = []
     with torch.no_grad():
         for batch in eval_dl:
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-            hits.append(engine.gather_for_metrics((logits.argmax(-1) == batch["labels"]).double()).cpu())
+            hits.append(gather_for_metrics((logits.argmax(-1) == batch["labels"]).double()).cpu())
     all_hits = torch.cat(hits)
-    correct = torch.stack([all_hits.sum(), torch.tensor(float(len(all_hits)), dtype=torch.float64)])
-    return _result(clock, train_s, time.perf_counter() - eval_start, correct, total, extra=extra)
+    return torch.stack([all_hits.sum(), torch.tensor(float(len(all_hits)), dtype=torch.float64)])
 
 
 def _result(

@@ -43,7 +43,6 @@ from _recipe import (
     add_output_args,
     engine_choices,
     load_data,
-    make_dataloaders,
     minilm_path,
     num_optimizer_steps,
     quiet_libraries,
@@ -51,6 +50,7 @@ from _recipe import (
     run_facts,
     save_checkpoint,
     seed_everything,
+    tokenized_dataloaders,
     write_summary,
 )
 from sentiment_data import LABEL_NAMES
@@ -149,28 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = args.model or minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
-        encoded = tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
-        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
-        return encoded
-
-    # batched tokenisation, no padding here: the collator pads each batch to its own longest
-    # sentence. keep_in_memory: ranks tokenizing at once must not race on datasets' cache files
-    data = raw.map(tokenize, batched=True, remove_columns=["sentence"], keep_in_memory=True)
-    lengths = {split: list(ds["length"]) for split, ds in data.items()}
-    data = data.remove_columns("length").rename_column("label", "labels").with_format("torch")
-    # validation in length order (accuracy does not depend on the order; padding does)
-    data["validation"] = data["validation"].select(
-        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
-        keep_in_memory=True,
-    )
     collate = DataCollatorWithPadding(tokenizer)
-    train_dl, eval_dl = make_dataloaders(
-        data,
-        args,
-        collate,
-        lengths=lengths["train"] if args.group_by_length else None,
-        num_replicas=engine.num_processes,
+    data, train_dl, eval_dl = tokenized_dataloaders(
+        raw, tokenizer, args, collate, num_replicas=engine.num_processes, labels=True
     )
     train_sampler = train_dl.sampler
 

@@ -45,7 +45,6 @@ from _recipe import (
     add_output_args,
     engine_choices,
     load_data,
-    make_dataloaders,
     minilm_path,
     num_optimizer_steps,
     quiet_libraries,
@@ -53,6 +52,7 @@ from _recipe import (
     run_facts,
     save_checkpoint,
     seed_everything,
+    tokenized_dataloaders,
     write_summary,
 )
 from torch.utils.data import DataLoader
@@ -177,27 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw, source = load_data(args, out_dir, engine)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or minilm_path())
 
-    def tokenize(rows: dict[str, list[Any]]) -> dict[str, Any]:
-        # the BERT-style tokenizer frames each sentence as [CLS] ... [SEP]: BOS and EOS for the LM
-        enc = tokenizer(rows["sentence"], truncation=True, max_length=args.max_length)
-        lengths = [len(ids) for ids in enc["input_ids"]]
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "length": lengths}
-
-    data = raw.map(tokenize, batched=True, remove_columns=["sentence", "label"], keep_in_memory=True)
-    lengths = {split: list(ds["length"]) for split, ds in data.items()}
-    data = data.remove_columns("length").with_format("torch")
-    # validation in length order: perplexity does not depend on the order, padding does
-    data["validation"] = data["validation"].select(
-        sorted(range(len(lengths["validation"])), key=lengths["validation"].__getitem__),
-        keep_in_memory=True,
-    )
+    # the BERT-style tokenizer frames each sentence as [CLS] ... [SEP]: BOS and EOS for the LM
     collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)  # labels = input_ids, padding -> -100
-    train_dl, eval_dl = make_dataloaders(
-        data,
-        args,
-        collate,
-        lengths=lengths["train"] if args.group_by_length else None,
-        num_replicas=engine.num_processes,
+    data, train_dl, eval_dl = tokenized_dataloaders(
+        raw, tokenizer, args, collate, num_replicas=engine.num_processes, labels=False
     )
     train_sampler = train_dl.sampler
 
