@@ -39,6 +39,7 @@ __all__ = [
     "load_safe",
     "publish",
     "raise_problem",
+    "raise_rank0_failure",
     "save_safe",
     "tmp_sibling",
     "world_size",
@@ -72,6 +73,16 @@ def broadcast_from_rank0(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def raise_rank0_failure(error: BaseException | None, target: Any) -> None:
+    """After rank 0 wrote `target` (collective): re-raise its own `error` on rank 0, and on the
+    other ranks raise a RuntimeError naming what rank 0 failed with, so no rank goes on alone."""
+    failure = broadcast_from_rank0(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"rank 0 failed to write {str(target)!r}: {failure}")
 
 
 def any_rank_failed(failed: bool) -> bool:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
+import gc
 import logging
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,10 +31,17 @@ from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
+from ds_engine.generation import generate as _generate
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, schedule_length
 from ds_engine.step_state import StepState
 
 _log = logging.getLogger("ds_engine")
+
+#: Engines of this process that have not ended (`end_training`): the users of the one process
+#: group they share. Weak, so an Engine the script dropped holds nothing.
+_GROUP_USERS: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Checkpoint folder (absolute) -> the Engine that saves into it (one folder per Engine).
+_CHECKPOINT_DIRS: weakref.WeakValueDictionary[str, Engine] = weakref.WeakValueDictionary()
 
 #: Environment variable `ds-engine launch --config` uses to hand a config to `Engine()`.
 CONFIG_ENV = "DS_ENGINE_CONFIG"
@@ -104,6 +114,10 @@ class Engine:
         self._scheduler: OverflowAwareScheduler | None = None
         self._dataloaders: list[PreparedDataLoader] = []
         self._loader_marks: dict[int, tuple[int, int]] = {}
+        self.config_optimizer_parameters: Any = None
+        """What DeepSpeed's config `optimizer` trains when `prepare` gets no torch optimizer:
+        parameters or param groups (e.g. without weight decay on biases); None: the model's
+        trainable parameters. accelerate's `DummyOptim(params)` sets it."""
         self.schedule_sized_from: str = "auto"
         """What a prepared LR scheduler's length was computed from: "auto", "prepared" (stepped
         once per applied optimizer step) or "unprepared" (`num_processes` times, accelerate's
@@ -183,9 +197,11 @@ class Engine:
     def _dist(self) -> bool:
         if self._ended:
             raise RuntimeError(
-                "ds_engine: end_training() destroyed this run's process group; call it once, "
-                "after the last collective (saving, gathering, wait_for_everyone)."
+                "ds_engine: end_training() destroyed this run's process group, or ended this Engine "
+                "while other Engines still use the group; call it once per Engine, after the last "
+                "collective (saving, gathering, wait_for_everyone)."
             )
+        _GROUP_USERS.add(self)  # a user of the shared process group until its `end_training`
         self._backend.setup_distributed()
         return dist.is_available() and dist.is_initialized()
 
@@ -245,12 +261,24 @@ class Engine:
         process group is destroyed at interpreter exit anyway (a gloo group left to
         finalization can abort a finished run), but an explicit call ends the run at a point
         every rank agrees on.
+
+        Several Engines in one process (one per model) share one process group: each call
+        ends its own Engine, and the group is destroyed by the call that ends the last Engine
+        still alive (an Engine the script no longer references does not count). Until then a
+        call only waits for every process, so the other Engines keep communicating. A second
+        call on the same Engine does nothing.
         """
+        if self._ended:
+            return
         self._ended = True
+        _GROUP_USERS.discard(self)
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() > 1:
                 dist.barrier()
-            self._backend.destroy_process_group()
+            if _GROUP_USERS:
+                gc.collect()  # Engines dropped by the script may still sit in reference cycles
+            if not _GROUP_USERS:
+                self._backend.destroy_process_group()
 
     # ================================================================= model creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:
@@ -259,7 +287,46 @@ class Engine:
         A no-op on other stages and on the fallback. transformers is told about the ZeRO-3
         config only while the context lasts, so a later plain `from_pretrained` stays plain.
         """
+        if not self._ended:
+            _GROUP_USERS.add(self)  # ZeRO-3 forms the process group here
         return self._backend.init_context()
+
+    def fill_auto(self, values: Mapping[str, Any]) -> None:
+        """Fill "auto" values of the config's `optimizer` / `scheduler` blocks, before `prepare`.
+
+        For a DeepSpeed JSON written for the HF Trainer or accelerate (`"lr": "auto"`) when no
+        torch optimizer is passed to `prepare` (a torch optimizer's first param group fills them
+        by itself). Only values that are "auto" change; others stay as written, as accelerate's
+        `deepspeed_config_process(must_match=False)` does.
+
+        Args:
+            values: Dotted key -> value, e.g. `{"optimizer.params.lr": 3e-5,
+                "scheduler.params.total_num_steps": 1000}`.
+
+        Raises:
+            ValueError: After the model was prepared, or a key outside the two blocks.
+        """
+        if self._model is not None:
+            raise ValueError(
+                "Engine.fill_auto: the model is prepared already and its DeepSpeed config is fixed. "
+                "HINT: call fill_auto before prepare."
+            )
+        blocks: dict[str, Any] = {}
+        for key, value in values.items():
+            block, _, rest = key.partition(".")
+            if block not in ("optimizer", "scheduler") or not rest:
+                raise ValueError(
+                    f"Engine.fill_auto: {key!r} = {value!r} is not in the `optimizer` or `scheduler` "
+                    'block; the Engine fills every other "auto" from the model, the dataloader and the '
+                    "world size. HINT: pass keys like 'optimizer.params.lr'."
+                )
+            current = blocks.get(block, getattr(self.config, block))
+            if current is None:
+                continue  # no such block in the config: nothing is "auto" there
+            blocks[block] = _fill_dotted(current, rest.split("."), value)
+        if blocks:
+            self._backend.update_effective(**blocks)
+            self.config = self._backend.effective
 
     # ================================================================= prepare
     def prepare(self, *objects: Any) -> Any:
@@ -306,10 +373,24 @@ class Engine:
                     f"`prepare` got {len(found)} {kind}s; ds_engine trains one model with one "
                     f"optimizer and one scheduler per Engine. HINT: use one Engine per model."
                 )
+        if models and self._model is not None:
+            raise ValueError(
+                f"`prepare` got a model ({type(models[0]).__name__}), but this Engine already prepared "
+                f"one ({type(self.unwrap_model(self._model)).__name__}); an Engine holds one model, and a "
+                "second would replace the first. HINT: create one Engine per model, each with its own "
+                "choices (they share the process group), e.g. teacher_engine = Engine(zero_stage=3); "
+                "teacher = teacher_engine.prepare(teacher)."
+            )
         if (optimizers or schedulers) and not models and self._model is None:
             raise ValueError(
                 "`prepare` got an optimizer/scheduler but no model. HINT: pass the model in the "
                 "same call: engine.prepare(model, optimizer, ...)."
+            )
+        if optimizers and not models:
+            raise ValueError(
+                "`prepare` got an optimizer without its model; this Engine's model was prepared in an "
+                "earlier call without one (inference only). HINT: pass them in one call: "
+                "engine.prepare(model, optimizer, ...)."
             )
         self._backend.setup_distributed()
         prepared: dict[int, Any] = {}
@@ -323,6 +404,7 @@ class Engine:
                 "world_size": self.num_processes,
                 "dataloader": loaders[0] if loaders else None,
                 "model": model,
+                "model_parameters": self.config_optimizer_parameters,
             }
             wrapped, backend_optimizer, backend_scheduler = self._backend.prepare_model(
                 model, optimizer, scheduler, facts=facts
@@ -480,7 +562,37 @@ class Engine:
         run before the wrapper's own and nothing is reduced or scaled before the error.
         """
 
+        # The hook holds the Engine weakly: DeepSpeed's engine keeps the module alive through
+        # reference cycles the collector cannot see (tensor hooks), and a dropped Engine must
+        # not stay alive through it (it would count as a user of the process group).
+        engine_ref = weakref.ref(self)
+
         def check(grad: torch.Tensor) -> None:
+            self = engine_ref()
+            if self is None or self._in_backward:
+                return
+            other = any(engine._in_backward for engine in list(_GROUP_USERS) if engine is not self)
+            trainable = any(p.requires_grad for p in module.parameters())
+            if other and not trainable:
+                # another Engine's backward passes through this frozen model to the one it trains
+                # (a GAN's generator loss through its discriminator): no gradient lands here
+                return
+            if self._optimizer is None and trainable:
+                raise RuntimeError(
+                    "a backward pass reached the output of a model prepared without an optimizer "
+                    "(inference only, e.g. a frozen teacher) whose parameters require gradients; it "
+                    "has no optimizer to apply them. HINT: run it under `torch.no_grad()`, `.detach()` "
+                    "its outputs, or freeze it (`model.requires_grad_(False)`), and call `backward` on "
+                    "the Engine of the model you train."
+                )
+            if other:
+                raise RuntimeError(
+                    "another Engine's `backward` reached the output of this Engine's model, whose "
+                    "parameters require gradients: they would get gradients outside this Engine's "
+                    "accumulation. HINT: freeze it for the other model's step (`requires_grad_(False)` "
+                    "before that forward, `requires_grad_(True)` after, the GAN idiom) or `.detach()` "
+                    "its output."
+                )
             if not self._in_backward:
                 raise RuntimeError(
                     "`loss.backward()` was called on the output of a model prepared by ds_engine; it "
@@ -567,6 +679,13 @@ class Engine:
         Outside `accumulate`, each call is one micro-step of its own.
         """
         if self._optimizer is None:
+            if self._model is not None:
+                raise RuntimeError(
+                    "`engine.backward` on an Engine whose model was prepared without an optimizer: it is "
+                    "inference only (no gradients, no optimizer state), e.g. a frozen teacher. HINT: call "
+                    "`backward` on the Engine of the model you train; to train this one, prepare it with "
+                    "its optimizer: engine.prepare(model, optimizer, ...)."
+                )
             raise RuntimeError(
                 "`engine.backward` before an optimizer was prepared. HINT: "
                 "engine.prepare(model, optimizer, ...) first."
@@ -770,15 +889,25 @@ class Engine:
 
     # ================================================================= saving
     def get_state_dict(
-        self, model: torch.nn.Module, *, dtype: torch.dtype | None = None, exclude_frozen: bool = False
+        self,
+        model: torch.nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        exclude_frozen: bool = False,
+        merged: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """The full state dict on rank 0, None on other ranks. Collective: call it on every rank.
 
         Under ZeRO-3 parameters are gathered layer by layer (rank 0 holds about one copy);
         `dtype=torch.float32` gives the fp32 master weights; `exclude_frozen` drops
         parameters with `requires_grad=False` (adapters).
+
+        A peft `PeftModel` gives only its adapter's entries (LoRA matrices, `modules_to_save`
+        copies), under `model.state_dict()`'s keys, and only those are gathered: the dict
+        `PeftModel.save_pretrained(dir, state_dict=...)` takes. `merged=True` gives the base
+        model's state dict with the LoRA adapters merged in instead.
         """
-        return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen)
+        return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen, merged=merged)
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """accelerate's `save`: write `obj` to `f` on the main process only (a no-op elsewhere).
@@ -812,6 +941,7 @@ class Engine:
         safe_serialization: bool = True,
         dtype: torch.dtype | None = None,
         exclude_frozen: bool = False,
+        merged: bool = False,
     ) -> None:
         """Write a complete model folder that plain `from_pretrained` reloads. Collective.
 
@@ -819,6 +949,11 @@ class Engine:
         config and the tokenizer into a temporary sibling and renames it into place, so a
         crash never leaves a folder that looks complete. Under ZeRO-3 weights are gathered
         and written shard by shard: rank 0 never holds more than one shard plus one layer.
+
+        A peft `PeftModel` writes only its adapter (peft's `adapter_config.json` and
+        `adapter_model.safetensors`, reloaded by `PeftModel.from_pretrained(base, dir)`),
+        gathering only the adapter's parameters. `merged=True` writes the base model with the
+        LoRA adapters merged in, reloaded by the base class's plain `from_pretrained`.
         """
         self._backend.save_pretrained(
             self.unwrap_model(model),
@@ -828,6 +963,7 @@ class Engine:
             safe_serialization=safe_serialization,
             dtype=dtype,
             exclude_frozen=exclude_frozen,
+            merged=merged,
         )
 
     def save_checkpoint(
@@ -862,6 +998,7 @@ class Engine:
         """
         from ds_engine.checkpoint import save_training_checkpoint
 
+        self._claim_checkpoint_directory(directory)
         save_training_checkpoint(
             directory,
             backend=self._backend,
@@ -871,6 +1008,28 @@ class Engine:
             client_state=client_state,
             keep_last=keep_last,
         )
+
+    def _claim_checkpoint_directory(self, directory: str | os.PathLike[str]) -> None:
+        """One checkpoint folder per Engine (per model); refuse an inference-only Engine.
+
+        Tags (``step_<N>``) and `latest` live in the folder, so two Engines saving into one would
+        overwrite each other's. Checked on every rank alike, before any collective.
+        """
+        if self._model is not None and self._optimizer is None:
+            raise RuntimeError(
+                "`save_checkpoint` on an Engine whose model was prepared without an optimizer "
+                "(inference only): it has no training state to resume. HINT: save its weights with "
+                "`engine.save_pretrained(model, directory)` (collective), or reload it as it was loaded."
+            )
+        key = os.path.abspath(os.fspath(directory))
+        owner = _CHECKPOINT_DIRS.get(key)
+        if owner is not None and owner is not self:
+            raise ValueError(
+                f"`directory`={key!r} holds the checkpoints of another Engine of this process; two "
+                "Engines in one folder would overwrite each other's tags and `latest`. HINT: give each "
+                "Engine (each model) its own folder, e.g. 'ckpt/student' and 'ckpt/discriminator'."
+            )
+        _CHECKPOINT_DIRS[key] = self
 
     def load_checkpoint(self, directory: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
         """Resume from `save_checkpoint`'s folder. Collective; call it after `prepare`.
@@ -900,6 +1059,51 @@ class Engine:
         return load_training_checkpoint(
             directory, backend=self._backend, model=self._model, state=self, tag=tag
         )
+
+    # ================================================================= generation
+    def generate(
+        self, model: torch.nn.Module, *args: Any, gather: bool | None = None, **generate_kwargs: Any
+    ) -> Any:
+        """`model.generate(...)` on a prepared model: never hangs under ZeRO-3, fast when it fits.
+
+        Collective for a ZeRO-3 (or FSDP) model: every rank calls it, each with its own prompts;
+        ranks may stop at different lengths. `args` / `generate_kwargs` are those of Hugging
+        Face `generate` and the result is its result. Runs under `torch.no_grad()` in eval mode;
+        each submodule's train/eval mode is restored afterwards.
+
+        - ZeRO 0-2 and the DDP fallback: plain `generate`.
+        - ZeRO-3, gathered (fast): the whole model is gathered once, generated with no
+          collective per token (each rank stops on its own), then re-partitioned.
+        - ZeRO-3 (and FSDP), synced: parameters stay sharded and `synced_gpus=True` is set
+          when there are several ranks, so a finished rank keeps stepping until all are done.
+
+        Args:
+            model: The model `prepare` returned (or the module inside it).
+            gather: True / False force the gathered / synced path; None (default) gathers when
+                the full parameters take at most half the memory available on every rank
+                (`ds_engine.generation.GATHER_MEMORY_FRACTION`).
+
+        Raises:
+            TypeError: A bad `gather`, or a model without `generate`.
+            ValueError: `gather=True` where the model cannot be gathered (FSDP), or
+                `synced_gpus=False` on the synced path with several ranks.
+        """
+        self._dist()
+        wrapper = model
+        if self._model is not None and model is not self._model and self.unwrap_model(self._model) is model:
+            wrapper = self._model  # the bare module: find its DeepSpeed engine
+        return _generate(wrapper, self.unwrap_model(model), *args, gather=gather, **generate_kwargs)
+
+
+def _fill_dotted(block: Mapping[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """A copy of `block` with the value at `path` set to `value` if it is "auto" there."""
+    out = copy.deepcopy(dict(block))
+    node: Any = out
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and node.get(path[-1]) == "auto":
+        node[path[-1]] = value
+    return out
 
 
 def _is_partitioned(module: torch.nn.Module) -> bool:

@@ -11,7 +11,10 @@ Formulas
 P = number of parameters, L = parameters of the largest single module (its direct
 parameters: the layer ZeRO-3 gathers at once), N = num_gpus_per_node * num_nodes,
 G = num_gpus_per_node, K = optimizer state bytes per parameter (Adam/AdamW 8: two fp32
-moments; Lion, Adagrad and SGD with momentum 4; plain SGD 0).
+moments; Lion, Adagrad and SGD with momentum 4; plain SGD 0). T = trainable parameters
+(`requires_grad`): all of P unless given, or read from a model with frozen parameters (LoRA /
+PEFT adapters): gradients, fp32 masters, fp32 gradients and optimizer state exist for these
+only, so every "grad" and optimizer term below is times T, not P.
 
 Bytes per parameter, by precision:
 
@@ -145,6 +148,8 @@ class MemoryEstimate:
     """Model-state memory of one training set-up; see the module docstring for the formulas."""
 
     num_params: int
+    trainable_params: int
+    """Parameters with `requires_grad` (gradients and optimizer states are sized by these)."""
     largest_layer_params: int
     num_gpus_per_node: int
     num_nodes: int
@@ -181,7 +186,12 @@ class MemoryEstimate:
         return "\n".join(
             [
                 f"{self.label}, {self.precision}, {self.optimizer}: {format_count(self.num_params)} params "
-                f"(largest layer {format_count(self.largest_layer_params)}) on {self.num_nodes} node(s) x "
+                + (
+                    f"({format_count(self.trainable_params)} trainable) "
+                    if self.trainable_params != self.num_params
+                    else ""
+                )
+                + f"(largest layer {format_count(self.largest_layer_params)}) on {self.num_nodes} node(s) x "
                 f"{self.num_gpus_per_node} accelerator(s)",
                 f"  per accelerator: params {format_bytes(a.params)} + grads {format_bytes(a.gradients)}"
                 f" + optimizer {format_bytes(a.optimizer_states)} + working layer {format_bytes(a.working)}"
@@ -327,6 +337,31 @@ def resolve_num_params(
     return num_params, largest
 
 
+def resolve_trainable_params(
+    model_or_num_params: ModelLike, num_params: int, trainable_params: int | None
+) -> int:
+    """`trainable_params` checked, or counted from an `nn.Module` (its `requires_grad`
+    parameters, shared ones once), or all `num_params` for a count, config or path."""
+    if trainable_params is None:
+        import torch
+
+        if isinstance(model_or_num_params, torch.nn.Module):
+            unique = {id(p): p.numel() for p in model_or_num_params.parameters() if p.requires_grad}
+            return sum(unique.values())
+        return num_params
+    if isinstance(trainable_params, bool) or not isinstance(trainable_params, int):
+        raise ValueError(
+            f"`trainable_params` must be an int, got {trainable_params!r}. HINT: pass the number of "
+            "parameters with requires_grad (e.g. a LoRA adapter's), or leave it out"
+        )
+    if not 0 <= trainable_params <= num_params:
+        raise ValueError(
+            f"`trainable_params`={trainable_params} must be in 0..{num_params} (the total). HINT: pass "
+            "the number of parameters with requires_grad, or leave it out"
+        )
+    return trainable_params
+
+
 # --------------------------------------------------------------------------- estimate
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...], hint: str) -> None:
     if isinstance(value, bool) or value not in allowed:
@@ -352,6 +387,7 @@ def estimate_memory(
     precision: Precision = "bf16",
     optimizer: OptimizerName = "adamw",
     zero_init: bool = True,
+    trainable_params: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the model-state memory of data-parallel ZeRO training (formulas: module docstring).
 
@@ -369,6 +405,8 @@ def estimate_memory(
         precision: "bf16", "fp16" or "fp32".
         optimizer: one of `OPTIMIZER_STATE_BYTES`.
         zero_init: ZeRO-3 models built under `zero.Init` (no full copy on the host at load).
+        trainable_params: parameters with `requires_grad`; counted from an `nn.Module` when
+            not given (a LoRA model: its adapter), else all of them.
 
     Returns:
         A `MemoryEstimate`: bytes per accelerator and per node's host memory.
@@ -404,8 +442,9 @@ def estimate_memory(
             "partitions the parameters). HINT: use zero_stage=3, or offload_params='none'"
         )
     num_params, largest = resolve_num_params(model_or_num_params, largest_layer_params)
+    trainable = resolve_trainable_params(model_or_num_params, num_params, trainable_params)
 
-    p, n, g = num_params, num_gpus_per_node * num_nodes, num_gpus_per_node
+    p, t, n, g = num_params, trainable, num_gpus_per_node * num_nodes, num_gpus_per_node
     weight = 4 if precision == "fp32" else 2
     grad = weight
     # Plain fp32 ZeRO-0 steps the model's own tensors; every other set-up keeps an fp32
@@ -413,14 +452,14 @@ def estimate_memory(
     copies = 0 if (precision == "fp32" and zero_stage == 0) else 4 + 4
     state = OPTIMIZER_STATE_BYTES[optimizer]
 
-    def part(bytes_per_param: int, partitioned: bool) -> int:
-        return math.ceil(bytes_per_param * p / n) if partitioned else bytes_per_param * p
+    def part(bytes_per_param: int, partitioned: bool, count: int = p) -> int:
+        return math.ceil(bytes_per_param * count / n) if partitioned else bytes_per_param * count
 
     offload_opt = offload_optimizer != "none"
     # accelerator
     acc_params = 0 if offload_params != "none" else part(weight, zero_stage == 3)
-    acc_grads = 0 if offload_opt else part(grad, zero_stage >= 2)
-    acc_opt = 0 if offload_opt else part(copies + state, zero_stage >= 1)
+    acc_grads = 0 if offload_opt else part(grad, zero_stage >= 2, t)
+    acc_opt = 0 if offload_opt else part(copies + state, zero_stage >= 1, t)
     acc_work = (weight + grad) * largest if zero_stage == 3 else 0
     accelerator = MemoryBreakdown(
         params=acc_params,
@@ -431,8 +470,8 @@ def estimate_memory(
     )
     # host, per node (g ranks)
     host_params = part(weight, True) * g if offload_params != "none" else 0
-    host_grads = part(4, True) * g if offload_opt else 0  # fp32 gradient partition for the CPU step
-    host_opt = part(4 + state, True) * g if offload_opt else 0  # fp32 master + optimizer state
+    host_grads = part(4, True, t) * g if offload_opt else 0  # fp32 gradient partition for the CPU step
+    host_opt = part(4 + state, True, t) * g if offload_opt else 0  # fp32 master + optimizer state
     host_load = 4 * (largest if zero_stage == 3 and zero_init else p) * g
     host = MemoryBreakdown(
         params=host_params,
@@ -443,6 +482,7 @@ def estimate_memory(
     )
     return MemoryEstimate(
         num_params=num_params,
+        trainable_params=trainable,
         largest_layer_params=largest,
         num_gpus_per_node=num_gpus_per_node,
         num_nodes=num_nodes,
@@ -466,9 +506,11 @@ def estimate_all(
     precision: Precision = "bf16",
     optimizer: OptimizerName = "adamw",
     zero_init: bool = True,
+    trainable_params: int | None = None,
 ) -> list[MemoryEstimate]:
     """`estimate_memory` for every choice in `CHOICES`, cheapest first (the model is counted once)."""
     num_params, largest = resolve_num_params(model_or_num_params, largest_layer_params)
+    trainable = resolve_trainable_params(model_or_num_params, num_params, trainable_params)
     return [
         estimate_memory(
             num_params,
@@ -481,6 +523,7 @@ def estimate_all(
             precision=precision,
             optimizer=optimizer,
             zero_init=zero_init,
+            trainable_params=trainable,
         )
         for stage, off_opt, off_params in CHOICES
     ]
@@ -509,6 +552,7 @@ def recommend_config(
     precision: Precision = "bf16",
     optimizer: OptimizerName = "adamw",
     zero_init: bool = True,
+    trainable_params: int | None = None,
 ) -> Recommendation:
     """The cheapest ZeRO stage/offload choice whose model states fit, with headroom.
 
@@ -528,6 +572,7 @@ def recommend_config(
         precision: "bf16", "fp16" or "fp32".
         optimizer: one of `OPTIMIZER_STATE_BYTES`.
         zero_init: as for `estimate_memory`.
+        trainable_params: as for `estimate_memory`.
 
     Returns:
         A `Recommendation` with the chosen estimate, the reason in words and all candidates.
@@ -556,6 +601,7 @@ def recommend_config(
         precision=precision,
         optimizer=optimizer,
         zero_init=zero_init,
+        trainable_params=trainable_params,
     )
     budget = f"{format_bytes(accelerator_memory_bytes)} per accelerator" + (
         f" and {format_bytes(host_memory_bytes)} host memory per node"

@@ -28,13 +28,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_engine._io import broadcast_from_rank0, current_rank, fsync_file, publish, tmp_sibling, write_json
+from ds_engine._io import (
+    broadcast_from_rank0,
+    current_rank,
+    fsync_file,
+    publish,
+    raise_rank0_failure,
+    tmp_sibling,
+    write_json,
+)
 from ds_engine._values import parse_size
 
 __all__ = [
     "GATHER_BUCKET_BYTES",
+    "Entry",
     "WeightGather",
     "consolidated_state_dict",
+    "plan",
     "save_pretrained",
 ]
 
@@ -82,6 +92,11 @@ class Entry:
     is_param: bool
     shape: torch.Size  # the full (unpartitioned) shape
     out_dtype: torch.dtype
+    #: The value to write, computed inside the gather from `tensor` and `extra` (e.g. a LoRA
+    #: layer's merged weight); None writes the gathered `tensor` itself.
+    compute: Callable[[], torch.Tensor] | None = None
+    #: Further live tensors `compute` reads; gathered together with `tensor`.
+    extra: tuple[torch.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -108,7 +123,7 @@ def _model_float_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _plan(
+def plan(
     module: nn.Module, gather: WeightGather, *, dtype: torch.dtype | None, exclude_frozen: bool
 ) -> list[Entry]:
     """The keys `module.state_dict()` would produce, bound to their live tensors, in order.
@@ -194,19 +209,32 @@ def _collect(
         masters: dict[int, torch.Tensor] = {}
         if master_of is not None:
             for entry in group:
+                if entry.compute is not None:
+                    continue  # computed from the live (gathered) tensors, not from masters
                 if entry.is_param and id(entry.tensor) not in masters and id(entry.tensor) not in done:
                     master = master_of(entry.tensor)
                     if master is not None:
                         masters[id(entry.tensor)] = master
-        to_gather = [e.tensor for e in group if id(e.tensor) not in masters and id(e.tensor) not in done]
-        with gather.gathered(to_gather):
+        to_gather: dict[int, torch.Tensor] = {}
+        for entry in group:
+            if entry.compute is not None or (
+                id(entry.tensor) not in masters and id(entry.tensor) not in done
+            ):
+                to_gather.setdefault(id(entry.tensor), entry.tensor)
+            for tensor in entry.extra:
+                to_gather.setdefault(id(tensor), tensor)
+        with gather.gathered(list(to_gather.values())):
             for entry in group:
-                ident = id(entry.tensor)
+                ident = id(entry.tensor) if entry.compute is None else id(entry)
                 if ident in done:
                     if out is not None:
                         out[entry.key] = out[done[ident]]
                     continue
-                value = _full(masters.get(ident, entry.tensor).detach())
+                if entry.compute is not None:
+                    with torch.no_grad():
+                        value = _full(entry.compute().detach())
+                else:
+                    value = _full(masters.get(ident, entry.tensor).detach())
                 check_not_empty(entry, value)
                 if out is not None:
                     out[entry.key] = value.reshape(entry.shape).to(
@@ -223,6 +251,7 @@ def consolidated_state_dict(
     dtype: torch.dtype | None = None,
     exclude_frozen: bool = False,
     gather: WeightGather | None = None,
+    entries: list[Entry] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Collect the full state dict of `module` on rank 0 (collective: every rank calls it).
 
@@ -240,6 +269,8 @@ def consolidated_state_dict(
         exclude_frozen: Leave out parameters with `requires_grad=False` (buffers are kept).
         gather: How the backend's parameters are read (`Backend.weight_gather()`); None reads
             them as they are.
+        entries: Collect these (`plan(module, ...)` or a subset / transform of it, as
+            `ds_engine.adapters` builds for LoRA models) instead of the whole state dict.
 
     Returns:
         On rank 0 (or without a process group) a dict with exactly the keys of
@@ -250,7 +281,8 @@ def consolidated_state_dict(
         RuntimeError: When a gathered tensor does not have its parameter's full size.
     """
     gather = gather or WeightGather()
-    entries = _plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
+    if entries is None:
+        entries = plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
     with gather.session():
         return _collect(entries, gather=gather, want_master=dtype == torch.float32, keep=current_rank() == 0)
 
@@ -401,6 +433,7 @@ def save_pretrained(
     dtype: torch.dtype | None = None,
     exclude_frozen: bool = False,
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    entries: list[Entry] | None = None,
 ) -> None:
     """Write `module` as a `from_pretrained` folder (collective: every rank calls it).
 
@@ -425,6 +458,8 @@ def save_pretrained(
         dtype: As in `consolidated_state_dict` (None: the training dtype).
         exclude_frozen: Leave out parameters with `requires_grad=False`.
         state_dict: Write this (rank 0's) dict instead of gathering the weights.
+        entries: Gather and write these instead of `plan(module, ...)` (e.g. a LoRA model's
+            merged weights under the base model's keys: `ds_engine.adapters`).
 
     Raises:
         ValueError: For a bad `max_shard_size`, a `save_directory` that is a file, or a
@@ -475,7 +510,8 @@ def save_pretrained(
         if state_dict is not None:
             on_rank0(write_given, state_dict, dtype)
         else:
-            entries = _plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
+            if entries is None:
+                entries = plan(module, gather, dtype=dtype, exclude_frozen=exclude_frozen)
             want_master = dtype == torch.float32
             saved_dtype = dtype or _model_float_dtype(module)
             with gather.session():
@@ -519,11 +555,7 @@ def save_pretrained(
     on_rank0(finish)
     if rank == 0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    failure = broadcast_from_rank0(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if failure is not None:
-        raise RuntimeError(f"rank 0 failed to write {str(target)!r}: {failure}")
+    raise_rank0_failure(error, target)
 
 
 def _write_given_state_dict(

@@ -211,13 +211,22 @@ class AccelerateBackend(Backend):
     ) -> Prepared:
         self.setup_distributed()
         if optimizer is None:
-            from ds_engine.config import ConfigError
-
             block = (self.effective.optimizer or {}).get("type")
-            raise ConfigError(
-                f"`prepare` got no optimizer; the accelerate fallback cannot build DeepSpeed's native "
-                f"`optimizer` block ({block!r}). HINT: pass a torch optimizer to `prepare`."
-            )
+            if block is not None:
+                from ds_engine.config import ConfigError
+
+                raise ConfigError(
+                    f"`prepare` got no optimizer; the accelerate fallback cannot build DeepSpeed's native "
+                    f"`optimizer` block ({block!r}). HINT: pass a torch optimizer to `prepare`."
+                )
+            # Inference only (a frozen teacher / reference model): placed on the device with the
+            # run's autocast, not wrapped in DDP (there is nothing to reduce). Under FSDP,
+            # accelerate shards it as it would a trained model.
+            if self.fsdp:
+                self.model = self.accelerator.prepare(model)
+            else:
+                self.model = self.accelerator.prepare_model(model, evaluation_mode=True)
+            return self.model, None, None
         model, optimizer = self.accelerator.prepare(model, optimizer)
         self.model, self.optimizer = model, optimizer
         return model, optimizer, None

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ds_engine import weights
+from ds_engine import adapters, weights
 from ds_engine.config import EngineConfig, ResolvedConfig, resolve_config
 
 _TEARDOWN_REGISTERED = False
@@ -92,6 +92,11 @@ class Backend(abc.ABC):
         self.config = config.user  # the user's choices (explicit fields tracked)
         self.base = config.base  # the user's DeepSpeed JSON, if any
         self.effective = config.effective  # choices after merging `base`
+
+    def update_effective(self, **changes: Any) -> None:
+        """Replace some effective choices before `prepare_model` (no new resolution)."""
+        self.resolved = self.resolved.with_effective(**changes)
+        self.effective = self.resolved.effective
 
     # -------------------------------------------------------------- process group
     @abc.abstractmethod
@@ -173,21 +178,47 @@ class Backend(abc.ABC):
         return weights.WeightGather()
 
     def get_state_dict(
-        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool
+        self, model: torch.nn.Module, *, dtype: torch.dtype | None, exclude_frozen: bool, merged: bool = False
     ) -> dict[str, torch.Tensor] | None:
-        """Full state dict on rank 0, None elsewhere (collective)."""
+        """Full state dict on rank 0, None elsewhere (collective). A PEFT model gives its
+        adapter's entries only, or with `merged` the base model's merged state dict."""
+        module = self.unwrap_model(model)
+        gather = self.weight_gather()
+        if adapters.is_peft_model(module):
+            if merged:
+                _check_merged_options(exclude_frozen)
+                return adapters.merged_state_dict(module, gather=gather, dtype=dtype)
+            return adapters.adapter_state_dict(module, gather=gather, dtype=dtype)
+        _check_not_merged(module, merged)
         return weights.consolidated_state_dict(
-            self.unwrap_model(model), dtype=dtype, exclude_frozen=exclude_frozen, gather=self.weight_gather()
+            module, dtype=dtype, exclude_frozen=exclude_frozen, gather=gather
         )
 
     def save_pretrained(
-        self, model: torch.nn.Module, save_directory: str | os.PathLike[str], **options: Any
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        *,
+        merged: bool = False,
+        **options: Any,
     ) -> None:
         """Write `model` as a `from_pretrained` folder (collective); `options` as in
-        `ds_engine.weights.save_pretrained` (tokenizer, max_shard_size, dtype, ...)."""
-        weights.save_pretrained(
-            self.unwrap_model(model), save_directory, gather=self.weight_gather(), **options
-        )
+        `ds_engine.weights.save_pretrained` (tokenizer, max_shard_size, dtype, ...). A PEFT
+        model writes its adapter folder only, or with `merged` the merged base model."""
+        module = self.unwrap_model(model)
+        gather = self.weight_gather()
+        if adapters.is_peft_model(module):
+            if merged:
+                _check_merged_options(options.pop("exclude_frozen", False))
+                adapters.save_merged(module, save_directory, gather=gather, **options)
+            else:
+                # the adapter is the trainable part already; one safetensors file, unsharded
+                options.pop("exclude_frozen", None)
+                options.pop("max_shard_size", None)
+                adapters.save_adapter(module, save_directory, gather=gather, **options)
+            return
+        _check_not_merged(module, merged)
+        weights.save_pretrained(module, save_directory, gather=gather, **options)
 
     # -------------------------------------------------------------- checkpoints
     @classmethod
@@ -216,3 +247,20 @@ class Backend(abc.ABC):
     def load_states(self, directory: Path, tag: str, meta: Mapping[str, Any]) -> None:
         """Load model + optimizer states from `directory / tag` (collective); `meta` is the tag's
         metadata (e.g. the world size that wrote it)."""
+
+
+def _check_merged_options(exclude_frozen: bool) -> None:
+    if exclude_frozen:
+        raise ValueError(
+            "`merged=True` with `exclude_frozen=True`: the merged model is the frozen base weights "
+            "with the adapter added in, so nothing frozen can be left out. HINT: drop one of them "
+            "(`merged=False` saves only the adapter)."
+        )
+
+
+def _check_not_merged(module: torch.nn.Module, merged: bool) -> None:
+    if merged:
+        raise ValueError(
+            f"`merged=True` but the model ({type(module).__name__}) is not a peft `PeftModel`: there is "
+            "no adapter to merge. HINT: leave `merged=False`."
+        )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ds_engine._imports import require_deepspeed
+from ds_engine.adapters import tuner_layers_outside_zero_init
 from ds_engine.backends.base import (
     Backend,
     Facts,
@@ -147,6 +148,10 @@ class DeepSpeedBackend(Backend):
                     keep_arange = getattr(hf_deepspeed, "prevent_arange_dtype_change", None)
                     if keep_arange is not None:  # absent in older releases; must precede zero.Init
                         stack.enter_context(keep_arange())
+                # peft's adapter layers are built whole (their init is in place: see adapters.py)
+                stack.enter_context(tuner_layers_outside_zero_init())
+                # after zero.Init exits: its F.linear replacement would outlive the context
+                stack.callback(_restore_functional_linear)
                 stack.enter_context(deepspeed.zero.Init(config_dict_or_path=init_config))
                 yield
         finally:
@@ -160,19 +165,23 @@ class DeepSpeedBackend(Backend):
         import deepspeed
 
         self.setup_distributed()
+        # No torch optimizer and no `optimizer` block: the model is prepared for inference only
+        # (a frozen teacher or reference model), with no optimizer state and no gradients.
+        inference_only = optimizer is None and not self.effective.optimizer
+        dataloader = facts.get("dataloader")
+        known = self.effective.micro_batch_size != "auto" or "train_batch_size" in (self.base or {})
         ds_config = render_ds_config(
             self._config_for(model),
             world_size=facts["world_size"],
+            # an inference-only model has no training batch: DeepSpeed's triangle gets a placeholder
+            micro_batch_size=1 if inference_only and dataloader is None and not known else None,
             model=model,
-            dataloader=facts.get("dataloader"),
+            dataloader=dataloader,
             optimizer=optimizer,
         )
+        if inference_only:
+            self._inference_only_config(ds_config)
         optimizer = self._maybe_offload_optimizer(optimizer, ds_config, scheduler)
-        if optimizer is None and "optimizer" not in ds_config:
-            raise ConfigError(
-                "`prepare` got no optimizer and the config has no `optimizer` block. HINT: pass a torch "
-                "optimizer to `prepare`, or set `optimizer={'type': 'AdamW', 'params': {'lr': 1e-5}}`."
-            )
         if optimizer is not None and "optimizer" in ds_config:
             raise ConfigError(
                 f"`prepare` got a torch optimizer ({type(optimizer).__name__}) and the config has an "
@@ -183,7 +192,10 @@ class DeepSpeedBackend(Backend):
         self._unmanaged = self._defer_reduction_to_step(ds_config)
         if self._unmanaged and "managed_gradient_accumulation" not in ds_config:
             ds_config["managed_gradient_accumulation"] = False
-        params = [p for p in model.parameters() if p.requires_grad] if optimizer is None else None
+        params = None
+        if optimizer is None:  # the config's optimizer trains these
+            given = facts.get("model_parameters")
+            params = list(given) if given is not None else [p for p in model.parameters() if p.requires_grad]
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -193,7 +205,24 @@ class DeepSpeedBackend(Backend):
         )
         self.ds_engine = engine
         self._ds_config = ds_config
+        if inference_only:
+            return engine, None, None
         return engine, ds_optimizer, ds_scheduler
+
+    @staticmethod
+    def _inference_only_config(ds_config: dict[str, Any]) -> None:
+        """Fit the rendered JSON of a model prepared without an optimizer (inference only).
+
+        ZeRO-3 keeps its stage: parameters stay partitioned and are gathered layer by layer
+        for the forward (DeepSpeed's optimizer-less `DeepSpeedZeRoOffload`). ZeRO-1/2 shard
+        only optimizer states and gradients, which such a model does not have, and DeepSpeed
+        refuses them without an optimizer: they run as ZeRO-0 (replicated weights), as TRL
+        prepares its reference model. Scheduler and clipping settings have nothing to act on.
+        """
+        zero = ds_config.get("zero_optimization") or {}
+        if int(zero.get("stage", 0)) in (1, 2):
+            ds_config["zero_optimization"] = {"stage": 0}
+        ds_config.pop("scheduler", None)
 
     def _defer_reduction_to_step(self, ds_config: dict[str, Any]) -> bool:
         """Whether DeepSpeed runs with `managed_gradient_accumulation: false` (step() is the boundary).
@@ -540,3 +569,15 @@ def _forget_hf_deepspeed_config(hf_ds_config: Any) -> None:
     ref = hf_deepspeed._hf_deepspeed_config_weak_ref
     if ref is not None and ref() is hf_ds_config:
         hf_deepspeed.unset_hf_deepspeed_config()
+
+
+def _restore_functional_linear() -> None:
+    """Undo `zero.Init`'s replacement of `torch.nn.functional.linear`. DeepSpeed leaves its
+    memory-saving ZeRO-3 linear in place for the rest of the process, so a later plain model
+    would run through it (a TorchScript save of one fails). Models partitioned in the context
+    train with torch's own linear, as models partitioned by `deepspeed.initialize` do."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is not original:
+        torch.nn.functional.linear = original
