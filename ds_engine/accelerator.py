@@ -52,7 +52,7 @@ from accelerate.utils import (
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # also without DeepSpeed
 
 from ds_engine.collectives import map_tensors
-from ds_engine.config import ConfigError, EngineConfig
+from ds_engine.config import EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.engine import Engine
 from ds_engine.scheduler import OverflowAwareScheduler
@@ -164,7 +164,8 @@ COMPAT: dict[str, tuple[str, str]] = {
     "prepare": (
         DIFFERS,
         "one model, one optimizer, one scheduler per Accelerator; map-style datasets only; "
-        "DummyOptim/DummyScheduler need the config's optimizer/scheduler block (DeepSpeed backend); "
+        "DummyOptim/DummyScheduler need the config's optimizer/scheduler block (DeepSpeed backend) "
+        'and fill its "auto" values as accelerate does; '
         "the scheduler advances only for applied optimizer steps (never on skipped ones): "
         "`num_processes` times each when sized from the un-prepared loader (accelerate's way, "
         "the default reading), once with `step_scheduler_with_optimizer=False` or "
@@ -739,27 +740,41 @@ class Accelerator(Engine):
                     "ds_engine.Accelerator.prepare: DummyScheduler without `lr_scheduler_callable` but the "
                     f"config has no `scheduler` block. HINT: {hint}."
                 )
-        for dummy, block, fields in (
-            *((o, eff.optimizer, {"lr": o.lr, "weight_decay": o.weight_decay}) for o in optims),
-            *(
-                (
-                    s,
-                    eff.scheduler,
-                    {"total_num_steps": s.total_num_steps, "warmup_num_steps": s.warmup_num_steps},
+        self._fill_from_dummies(optims, scheds)
+
+    def _fill_from_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
+        """What accelerate writes into the config's "auto" values from DummyOptim / DummyScheduler.
+
+        DummyOptim: `optimizer.params.lr` / `weight_decay`, and its `params` (groups) are what the
+        config's optimizer trains. DummyScheduler (without a callable): `warmup_min_lr` 0,
+        `warmup_max_lr` the optimizer's lr, `warmup_num_steps` (at least 1), and
+        `total_num_steps` divided by the number of processes (accelerate's reading: the scripts
+        size it from the un-prepared dataloader). Only "auto" values change.
+        """
+        values: dict[str, Any] = {}
+        for optim in optims:
+            values |= {"optimizer.params.lr": optim.lr, "optimizer.params.weight_decay": optim.weight_decay}
+            self.config_optimizer_parameters = optim.params
+        for sched in scheds:
+            if sched.lr_scheduler_callable is not None:
+                continue
+            opt = sched.optimizer
+            defaults = getattr(opt, "defaults", None)
+            max_lr = getattr(opt, "lr", None) if defaults is None else defaults["lr"]
+            if max_lr is None and optims:  # DummyScheduler(None, ...): the DummyOptim's lr
+                max_lr = optims[0].lr
+            values |= {
+                "scheduler.params.warmup_min_lr": 0,
+                "scheduler.params.warmup_num_steps": max(1, int(sched.warmup_num_steps)),
+            }
+            if max_lr is not None:
+                values["scheduler.params.warmup_max_lr"] = max_lr
+            if sched.total_num_steps is not None:
+                total = int(sched.total_num_steps)
+                values["scheduler.params.total_num_steps"] = (
+                    total if self.dataloader_config.split_batches else math.ceil(total / self.num_processes)
                 )
-                for s in scheds
-            ),
-        ):
-            params = (block or {}).get("params") or {}
-            left = sorted(k for k, v in params.items() if v == "auto")
-            if left:
-                raise ConfigError(
-                    f"the config's `{'optimizer' if isinstance(dummy, DummyOptim) else 'scheduler'}` block "
-                    "has "
-                    f'"auto" values {left}; ds_engine does not fill them from {type(dummy).__name__} '
-                    f"({', '.join(f'{k}={v!r}' for k, v in fields.items())}). HINT: write the values into "
-                    "the block."
-                )
+        self.fill_auto(values)
 
     def prepare_data_loader(
         self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None

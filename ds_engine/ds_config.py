@@ -178,16 +178,16 @@ def deepspeed_bucket_fallbacks(
 
 
 # --------------------------------------------------------------------------- builder
-#: Values a preset leaves as "auto" when the choice was not made explicitly.
+#: Values a preset leaves as "auto" when the choice was not made explicitly. The bucket sizes
+#: are not among them: a preset that wrote `"reduce_bucket_size": "auto"` would ask for a hidden
+#: size, and a plain `nn.Module` has none. Left out, they follow the Engine's own rule (from the
+#: model's hidden size when it has one, else DeepSpeed's defaults: `deepspeed_bucket_fallbacks`).
 ADAPTIVE = frozenset(
     {
         "micro_batch_size",
         "gradient_accumulation_steps",
         "gradient_clipping",
         "precision",
-        "reduce_bucket_size",
-        "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold",
         "nvme_path",
     }
 )

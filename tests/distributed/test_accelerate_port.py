@@ -51,21 +51,29 @@ def _launch(
 
 
 def _run(
-    example: str, tmp: Path, flavour: str, *args: str, files: tuple[str, ...] = ("result.json",)
+    example: str,
+    tmp: Path,
+    flavour: str,
+    *args: str,
+    files: tuple[str, ...] = ("result.json",),
+    config: dict[str, Any] | str | None = None,
 ) -> dict:
-    """Run `example` as accelerate ("accelerate") or ported ("auto", "zero2")."""
+    """Run `example` as accelerate ("accelerate") or ported ("auto", "zero2": the `zero2` preset,
+    as `ds-engine launch --config zero2` hands it over; `config`: that DeepSpeed JSON instead)."""
     script = EXAMPLES / example
     tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / flavour
     env: dict[str, str] = {}
     if flavour != "accelerate":
         script = _port(script, tmp)
-        if flavour == "zero2":
-            # the stage as `ds-engine launch --config` would hand it over; not the `zero2` preset,
-            # whose "auto" reduce_bucket_size needs a model config with hidden_size
-            config = tmp / "zero2.json"
-            config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-            env["DS_ENGINE_CONFIG"] = str(config)
+        if flavour == "zero2" and config is None:
+            config = "zero2"
+        if isinstance(config, dict):
+            path = tmp / "ds_config.json"
+            path.write_text(json.dumps(config))
+            config = str(path)
+        if config is not None:
+            env["DS_ENGINE_CONFIG"] = config
     phases = [list(args)] if example != "checkpoint_example.py" else [list(args), [*args, "--resume"]]
     for i, phase in enumerate(phases):
         # torch's exit-time abort is tolerated once the results are written (the last phase)
@@ -85,6 +93,7 @@ _CASES = {
     "handwritten_accumulation_example.py": ((), ("result.json",)),
     "metrics_tracking_example.py": ((), ("result.json",)),
 }
+_REFERENCE_ONLY = {"deepspeed_config_example.py": ((), ("result.json",))}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +103,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     def get(example: str) -> dict:
         if example not in cache:
-            args, files = _CASES[example]
+            args, files = (_CASES | _REFERENCE_ONLY)[example]
             cache[example] = _run(
                 example, tmp_path_factory.mktemp("accelerate"), "accelerate", *args, files=files
             )
@@ -141,3 +150,53 @@ def test_schedule_sized_the_accelerate_way_ends_where_accelerate_ends(tmp_path):
     theirs = _run("accumulate_example.py", tmp_path / "theirs", "accelerate", "--accelerate-sizing")
     ours = _run("accumulate_example.py", tmp_path / "ours", "auto", "--accelerate-sizing")
     _same(ours["result.json"], theirs["result.json"])
+
+
+# accelerate's `deepspeed_with_config_support` pattern: DeepSpeed's optimizer (and scheduler)
+# from the config, with "auto" values filled from DummyOptim / DummyScheduler. torch_adam: the
+# same AdamW arithmetic as the reference's torch AdamW.
+_OPTIMIZER_BLOCK = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
+
+
+@pytest.mark.deepspeed
+def test_dummy_optim_with_a_config_optimizer_block_matches_accelerate(reference, tmp_path):
+    """DummyOptim (lr, weight-decay groups) + DummyScheduler(lr_scheduler_callable=...) over
+    DeepSpeed's optimizer: the same losses and schedule as accelerate's run with torch AdamW."""
+    config = {"zero_optimization": {"stage": 2}, "optimizer": _OPTIMIZER_BLOCK}
+    ours = _run("deepspeed_config_example.py", tmp_path, "zero2", config=config)["result.json"]
+    theirs = reference("deepspeed_config_example.py")["result.json"]
+    assert theirs["optimizer"] == "AcceleratedOptimizer" and ours["optimizer"] == "PreparedOptimizer"
+    _same(ours, theirs)
+    assert ours["lrs"] == pytest.approx(theirs["lrs"], rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.deepspeed
+def test_dummy_scheduler_fills_a_config_scheduler_block_as_accelerate_does(reference, tmp_path):
+    """DeepSpeed's WarmupDecayLR from the config, "auto" values filled as accelerate fills them:
+    warm-up from 0 to DummyOptim's lr over `warmup_num_steps`, then linear decay towards 0 at
+    `total_num_steps` / num_processes (the script sizes it from the un-prepared loader, as
+    accelerate's reference run does, whose schedule ends at the same optimizer step)."""
+    scheduler = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+            "warmup_type": "linear",
+        },
+    }
+    config = {"zero_optimization": {"stage": 2}, "optimizer": _OPTIMIZER_BLOCK, "scheduler": scheduler}
+    ours = _run("deepspeed_config_example.py", tmp_path, "zero2", config=config)["result.json"]
+    theirs = reference("deepspeed_config_example.py")["result.json"]
+    steps = len(theirs["lrs"])
+    assert len(ours["lrs"]) == len(ours["losses"]) == steps > 4
+    assert theirs["lrs"][-1] == 0.0  # accelerate's torch schedule ends exactly at the last step
+    lr, warmup, total = 1e-2, 4, steps  # the script's defaults; total: 64 samples / (2 ranks x 2) x 2 epochs
+    # DeepSpeed's WarmupDecayLR counts its iterations from 0 at the first step: after optimizer
+    # step k it is at iteration k - 1 (so its last LR is lr / (total - warmup), not 0). A total
+    # left undivided (64) would decay half as fast.
+    expected = [
+        lr * (i / warmup if i < warmup else max(0.0, (total - i) / (total - warmup))) for i in range(steps)
+    ]
+    assert ours["lrs"] == pytest.approx(expected, rel=1e-6, abs=1e-12)

@@ -341,6 +341,62 @@ def test_deepspeed_facts_plugin_view_and_dummies():
         acc.end_training()
 
 
+@pytest.mark.deepspeed
+def test_dummies_fill_the_config_autos_as_accelerate_does():
+    """An HF-style JSON ("auto" in both blocks): DummyOptim's lr / weight decay and param groups,
+    DummyScheduler's warm-up and total steps reach DeepSpeed's optimizer and scheduler."""
+    plugin = ds_engine.DeepSpeedPlugin(
+        hf_ds_config={
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "eps": 1e-8}},
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {
+                    "warmup_min_lr": "auto",
+                    "warmup_max_lr": "auto",
+                    "warmup_num_steps": "auto",
+                    "total_num_steps": "auto",
+                },
+            },
+        }
+    )
+    acc = ds_engine.Accelerator(deepspeed_plugin=plugin, backend="deepspeed")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        groups = [
+            {"params": [model.weight], "weight_decay": 0.01},
+            {"params": [model.bias], "weight_decay": 0.0},
+        ]
+        model, opt, loader, sched = acc.prepare(
+            model,
+            ds_engine.DummyOptim(groups, lr=0.05, weight_decay=0.01),
+            _loader(),
+            ds_engine.DummyScheduler(None, total_num_steps=8, warmup_num_steps=2),
+        )
+        cfg = acc.state.deepspeed_plugin.deepspeed_config
+        assert cfg["optimizer"]["params"] == {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-8}
+        assert cfg["scheduler"]["params"] == {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": 0.05,
+            "warmup_num_steps": 2,
+            "total_num_steps": 8,  # one process: 8 / 1
+        }
+        decay = [g["weight_decay"] for g in opt.param_groups]
+        assert decay == [0.01, 0.0], "DummyOptim's param groups are what the config optimizer trains"
+        lrs = []
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+        assert lrs[1] == pytest.approx(0.05) and lrs[0] < lrs[1], lrs  # warm-up of 2 steps to 0.05
+    finally:
+        acc.end_training()
+
+
 def test_the_semantics_it_keeps_are_said_once_in_the_log(caplog):
     with caplog.at_level(logging.INFO, logger="ds_engine"):
         _acc(cpu=True)

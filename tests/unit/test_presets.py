@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 
 import ds_engine
 from ds_engine.config import ConfigError, EngineConfig
@@ -52,14 +53,32 @@ def test_golden_zero3_offload_preset() -> None:
         "bf16": {"enabled": "auto"},
         "zero_optimization": {
             "stage": 3,
-            "reduce_bucket_size": "auto",
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu", "pin_memory": True},
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
             "stage3_gather_16bit_weights_on_model_save": True,
         },
     }
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_needs_no_hidden_size(name: str) -> None:
+    """A preset asks for no bucket size: a plain nn.Module (no config.hidden_size) takes DeepSpeed's
+    defaults, a transformers model its hidden-size rule, as without a preset."""
+    extra = {"nvme_path": "/local_nvme"} if "nvme" in name else {}
+    facts = {"world_size": 2, "micro_batch_size": 3}
+    stage = preset_choices()[name].zero_stage
+    plain = build_ds_config(EngineConfig(**extra), base=name, model=torch.nn.Linear(4, 4), **facts)
+    zero = plain["zero_optimization"]
+    if stage >= 1:
+        assert zero["reduce_bucket_size"] == 500_000_000
+    if stage == 3:
+        assert (zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (
+            50_000_000,
+            100_000,
+        )
+    sized = build_ds_config(EngineConfig(**extra), base=name, hidden_size=16, **facts)
+    if stage >= 1:
+        assert sized["zero_optimization"]["reduce_bucket_size"] == 16 * 16
 
 
 @pytest.mark.parametrize("name", PRESETS)
