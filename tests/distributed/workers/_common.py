@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any
 
 
+def error_of(fn: Any) -> str:
+    """`fn()`'s exception as "Type: message", or "" when it returns."""
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def parse_args(extra: list[tuple[str, dict[str, Any]]] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 import torch
-from _common import parse_args, rank, write_result
+from _common import error_of, parse_args, rank, write_result
 
 SEED = 11
 VOCAB = 256
@@ -125,14 +125,6 @@ def partitioned_now(module: torch.nn.Module) -> list[str]:
         for name, p in module.named_parameters()
         if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist
     ]
-
-
-def error_of(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
 
 
 COUNTER: ForwardCounter

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import parse_args, patch_cpu_fp16, probe_exit, rank, write_result
+from _common import error_of, parse_args, patch_cpu_fp16, probe_exit, rank, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 INIT_CALLS = [0]
@@ -50,14 +50,6 @@ def count_group_inits() -> None:
 
 def alive() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def error_of(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
 
 
 # --------------------------------------------------------------------------- GAN
