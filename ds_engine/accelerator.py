@@ -697,7 +697,8 @@ class Accelerator(Engine):
         dummy_sched = [o for o in objects if isinstance(o, DummyScheduler)]
         rest = [o for o in objects if not isinstance(o, (DummyOptim, DummyScheduler))]
         if dummy_optim or dummy_sched:
-            self._check_dummies(dummy_optim, dummy_sched, rest)
+            self._check_dummies(dummy_optim, dummy_sched)
+            self._fill_from_dummies(dummy_optim, dummy_sched)
         late = [o for o in rest if _is_late_scheduler(o, self)]
         engine_objects = [o for o in rest if not any(o is s for s in late)]
         prepared: dict[int, Any] = {}
@@ -717,7 +718,7 @@ class Accelerator(Engine):
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
 
-    def _check_dummies(self, optims: list[Any], scheds: list[Any], rest: list[Any]) -> None:
+    def _check_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
         eff = self.config
         hint = (
             "put an `optimizer` / `scheduler` block in the DeepSpeed config (DS_ENGINE_CONFIG or "
@@ -740,7 +741,6 @@ class Accelerator(Engine):
                     "ds_engine.Accelerator.prepare: DummyScheduler without `lr_scheduler_callable` but the "
                     f"config has no `scheduler` block. HINT: {hint}."
                 )
-        self._fill_from_dummies(optims, scheds)
 
     def _fill_from_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
         """What accelerate writes into the config's "auto" values from DummyOptim / DummyScheduler.
