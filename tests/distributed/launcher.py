@@ -14,7 +14,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +47,25 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+EXIT_HANG = "ds_engine test launcher: killed after the results were written (exit-time hang)"
+
+
 def run_command(
-    cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    finished: Callable[[], bool] | None = None,
+    exit_grace: float = 90.0,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `cmd` in its own session; on timeout kill the whole group and raise."""
+    """Run `cmd` in its own session; on timeout kill the whole group and raise.
+
+    `finished`: a check that the run's results are all written. If it holds and the processes
+    still have not exited `exit_grace` seconds later, they are killed and the output ends with
+    `EXIT_HANG` (returncode -9): the same exit-time teardown race of torch's gloo threads as
+    the abort `only_exit_abort` tolerates, seen as a hang in plain accelerate's end_training.
+    """
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -57,14 +75,38 @@ def run_command(
         cwd=cwd or ROOT,
         start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise TimeoutError(
-            f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}"
-        ) from None
+    if finished is None:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise TimeoutError(
+                f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}"
+            ) from None
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    deadline = time.monotonic() + timeout
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read() if proc.stdout else ""))
+    reader.start()
+    done_at: float | None = None
+    hung = False
+    while reader.is_alive():  # until every process of the group closed the output
+        now = time.monotonic()
+        if done_at is None and finished():
+            done_at = now
+        hung = done_at is not None and now - done_at > exit_grace
+        if hung or now > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        reader.join(0.2)
+    reader.join()
+    proc.wait()
+    out = "".join(chunks)
+    if hung:
+        return subprocess.CompletedProcess(cmd, -9, out + "\n" + EXIT_HANG, None)
+    if time.monotonic() > deadline and proc.returncode == -signal.SIGKILL:
+        raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 

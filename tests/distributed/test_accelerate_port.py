@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed.launcher import ROOT, only_exit_abort, run_command, torchrun_command, worker_env
+from tests.distributed.launcher import (
+    EXIT_HANG,
+    ROOT,
+    only_exit_abort,
+    run_command,
+    torchrun_command,
+    worker_env,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -44,9 +52,15 @@ def _launch(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(script, "--out", str(out), "--cpu", *args)
-    result = run_command(cmd, timeout=420, env=worker_env(env))
-    finished = bool(files) and all((out / f).exists() for f in files)
-    if result.returncode != 0 and not only_exit_abort(result.stdout, finished=finished):
+
+    def written() -> bool:
+        return bool(files) and all((out / f).exists() for f in files)
+
+    result = run_command(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
+    if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
+        if result.stdout.endswith(EXIT_HANG) and written():
+            warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
+            return
         raise RuntimeError(f"{script.name} failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
 
 

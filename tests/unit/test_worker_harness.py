@@ -36,3 +36,21 @@ def test_abort_after_every_rank_finished_is_tolerated_with_a_warning(tmp_path: P
 def test_any_other_failure_still_fails(tmp_path: Path, output: str, written: int) -> None:
     _results(tmp_path, written)
     assert not _aborted_after_finishing(output, tmp_path, 2)
+
+
+def test_a_run_that_hangs_after_writing_its_results_is_killed_and_marked(tmp_path):
+    """`run_command(finished=...)`: results written, processes still alive after the grace: killed,
+    output marked EXIT_HANG; a run that never finishes still times out; a normal run is untouched."""
+    import sys as _sys
+
+    from tests.distributed.launcher import EXIT_HANG, run_command
+
+    flag = tmp_path / "result.json"
+    python = _sys.executable
+    script = f"import time; print('working', flush=True); open({str(flag)!r}, 'w'); time.sleep(600)"
+    hung = run_command([python, "-c", script], timeout=60, finished=flag.exists, exit_grace=1)
+    assert hung.returncode == -9 and hung.stdout.endswith(EXIT_HANG) and "working" in hung.stdout
+    with pytest.raises(TimeoutError, match="did not finish in 2s"):
+        run_command([python, "-c", "import time; time.sleep(600)"], timeout=2, finished=lambda: False)
+    normal = run_command([python, "-c", "print('ok')"], timeout=60, finished=lambda: True, exit_grace=30)
+    assert normal.returncode == 0 and normal.stdout.strip() == "ok"
