@@ -1,8 +1,10 @@
 """Offline consolidation: a DeepSpeed ZeRO checkpoint folder to a `from_pretrained` folder.
 
 `consolidate_checkpoint` needs no process group (`ds-engine consolidate` runs it). It reads
-the fp32 master weights with DeepSpeed's own `zero_to_fp32` reader in lazy mode, so memory
-stays about one copy of the weights, and writes shards with `weights`' writer.
+the fp32 master weights with DeepSpeed's own `zero_to_fp32` reader in lazy mode (its files
+memory-mapped), one tensor at a time, and writes each tensor into its safetensors shard as
+soon as it is read: memory stays about two tensors, not a copy of the model (DeepSpeed's
+`zero_to_fp32` builds the whole state dict).
 
 How the model config travels with a checkpoint: `consolidate_checkpoint` looks for an HF
 `config.json` in the tag folder, then in the checkpoint folder, then in its parent (the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,13 @@ from ds_engine.weights import (
     SAFE_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
+    Batch,
     Entry,
+    Shard,
     check_not_empty,
     preflight,
     split_shards,
+    stream_shards,
     write_weights,
 )
 
@@ -118,8 +124,9 @@ def consolidate_checkpoint(
     """Turn a DeepSpeed ZeRO checkpoint into a `from_pretrained` folder, offline.
 
     No process group is needed. The fp32 master weights are read with DeepSpeed's own
-    `zero_to_fp32` reader in lazy mode and materialised one shard at a time, so memory stays
-    about one copy of the weights. ZeRO-0 checkpoints (no partitions) are read from their
+    `zero_to_fp32` reader in lazy mode and materialised one tensor at a time, each written
+    into its safetensors shard while the next is read, so memory stays about two tensors
+    (a shard with `safe_serialization=False`). ZeRO-0 checkpoints (no partitions) are read from their
     model-states file. The HF `config.json` (and `generation_config.json`) is taken from
     `config_from`, else from the tag folder, the checkpoint folder, or its parent, in that
     order; without one only the weights are written.
@@ -185,7 +192,13 @@ def consolidate_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        for shard in shards:
+        if safe_serialization:
+            # a tensor at a time: read (DeepSpeed's lazy fragments, memory-mapped) while the
+            # previous one is written, so memory stays about two tensors, never a shard
+            failed = stream_shards(shards, tmp, _read_one_by_one, write=True)
+            if failed is not None:
+                raise failed
+        for shard in shards if not safe_serialization else []:
             tensors = {}
             for entry in shard.entries:
                 tensors[entry.key] = entry.tensor.contiguous().to(dtype=entry.out_dtype)
@@ -210,6 +223,17 @@ def consolidate_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _read_one_by_one(shard: Shard, before_copy: Callable[[], None] | None) -> Iterator[Batch]:
+    """One checkpoint tensor at a time, in the output dtype (for `stream_shards`)."""
+    for entry in shard.entries:
+        if before_copy is not None:
+            before_copy()
+        value = entry.tensor.contiguous().to(dtype=entry.out_dtype)
+        check_not_empty(entry, value)
+        yield Batch([(entry, value.reshape(entry.shape))])
+        del value
 
 
 def _zero_stage(tag_dir: Path) -> int:

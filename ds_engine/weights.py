@@ -3,8 +3,12 @@
 * `consolidated_state_dict` -- collective; rank 0 gets the full CPU state dict, other ranks
   None. Partitioned parameters are gathered one layer at a time (per submodule), so rank 0
   holds about one copy of the weights.
-* `save_pretrained` -- collective; gathers and writes shard by shard, so rank 0 never holds
-  more than one shard plus one layer. Output is a transformers-compatible folder (safetensors,
+* `save_pretrained` -- collective; streams: each safetensors shard is laid out up front and
+  every tensor is written at its offset as soon as it is gathered, on a background thread
+  while the next layer gathers (`ds_engine._safetensors`), so rank 0 holds about two gather
+  buckets, never a shard; a layer larger than a bucket is written as it arrives, one
+  partition at a time where the backend can (`WeightGather.pieces`). Output is a
+  transformers-compatible folder (safetensors byte for byte as `safetensors` writes them,
   index, `config.json`, tokenizer) written atomically.
 
 What "gather" means is the backend's business: a `WeightGather` says how to read the full
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_engine import _safetensors
 from ds_engine._io import (
     broadcast_from_rank0,
     current_rank,
@@ -52,6 +57,8 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+#: The header metadata transformers writes (and `from_pretrained` checks for).
+SAFETENSORS_METADATA = {"format": "pt"}
 
 
 # --------------------------------------------------------------------------- the backend's part
@@ -79,6 +86,13 @@ class WeightGather:
     def session(self) -> contextlib.AbstractContextManager[None]:
         """A scope around one whole gather (e.g. to bring offloaded optimizer partitions back)."""
         return contextlib.nullcontext()
+
+    def pieces(self, tensor: torch.Tensor) -> Iterator[torch.Tensor | None] | None:
+        """The full value of `tensor`, flattened, as consecutive pieces that rank 0 receives (None
+        on other ranks) without the whole tensor ever existing anywhere; None when this backend
+        cannot (then `gathered` is used). Collective: every rank iterates it to the end, and the
+        answer (None or not) must be the same on every rank."""
+        return None
 
 
 # --------------------------------------------------------------------------- planning
@@ -152,10 +166,20 @@ def plan(
 #: Consecutive small layers are gathered together up to this many bytes (fewer collectives); a
 #: layer larger than this is gathered alone. It bounds the transient extra memory per gather.
 GATHER_BUCKET_BYTES = 16 * 2**20
+#: ... and to at most this share of everything gathered in one call (at least 1 MiB), so the
+#: transient gather buffers stay a small fraction of the copy rank 0 builds.
+GATHER_BUCKET_SHARE = 0.02
 
 
-def _groups(entries: list[Entry]) -> Iterator[list[Entry]]:
-    """The unit of one ZeRO-3 gather: whole submodules' entries, merged up to the bucket size."""
+def bucket_bytes(entries: list[Entry], cap: int | None = None) -> int:
+    """The gather bucket for one call over `entries`: 2 % of their bytes, within 1-16 MiB (and `cap`)."""
+    share = int(sum(e.nbytes for e in entries) * GATHER_BUCKET_SHARE)
+    size = min(GATHER_BUCKET_BYTES, max(2**20, share))
+    return size if cap is None else max(1, min(size, cap))
+
+
+def _groups(entries: list[Entry], limit: int = GATHER_BUCKET_BYTES) -> Iterator[list[Entry]]:
+    """The unit of one ZeRO-3 gather: whole submodules' entries, merged up to `limit` bytes."""
     layers: list[list[Entry]] = []
     for entry in entries:
         if layers and entry.owner == layers[-1][-1].owner:
@@ -166,13 +190,24 @@ def _groups(entries: list[Entry]) -> Iterator[list[Entry]]:
     size = 0
     for layer in layers:
         nbytes = sum(e.nbytes for e in layer)
-        if bucket and size + nbytes > GATHER_BUCKET_BYTES:
+        if bucket and size + nbytes > limit:
             yield bucket
             bucket, size = [], 0
         bucket.extend(layer)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def largest_layer_bytes(entries: list[Entry]) -> int:
+    """Bytes of the largest run of consecutive entries with one owner (one gather at least)."""
+    largest = size = 0
+    previous = None
+    for entry in entries:
+        size = size + entry.nbytes if entry.owner == previous else entry.nbytes
+        previous = entry.owner
+        largest = max(largest, size)
+    return largest
 
 
 # --------------------------------------------------------------------------- gathering
@@ -195,17 +230,49 @@ def check_not_empty(entry: Entry, value: torch.Tensor) -> None:
         )
 
 
-def _collect(
-    entries: list[Entry], *, gather: WeightGather, want_master: bool, keep: bool
-) -> dict[str, torch.Tensor] | None:
-    """Gather `entries` group by group; return CPU copies when `keep` (rank 0), else None.
+#: A value `_gathered_groups` yields per entry: its CPU tensor (rank 0), None (other ranks), or
+#: the key of an earlier entry it is tied to (same live tensor).
+_Value = torch.Tensor | str | None
 
-    Every rank must call this with the same entries: the gathers are collective.
+
+@dataclass
+class Batch:
+    """One group's values. `in_place`: they are the gathered tensors themselves (no copy), valid
+    only until the producer is resumed, so the consumer must be done with them by then."""
+
+    values: list[tuple[Entry, _Value]]
+    in_place: bool = False
+    #: Set when the one value is a piece of its entry: the byte offset of the piece in it.
+    part_offset: int | None = None
+
+
+def _gathered_groups(
+    entries: list[Entry],
+    *,
+    gather: WeightGather,
+    want_master: bool,
+    keep: bool,
+    limit: int,
+    before_copy: Callable[[], None] | None = None,
+    in_place_above: int | None = None,
+    pieces_above: int | None = None,
+) -> Iterator[Batch]:
+    """Gather `entries` group by group (collective) and yield each group's values.
+
+    With `keep` (rank 0) each value is a CPU copy in the entry's dtype, made inside the gather;
+    the gathered parameters are re-partitioned before the group is yielded, so the caller holds
+    only copies. In a group of more than `pieces_above` bytes, tensors the backend can send a
+    partition at a time (`WeightGather.pieces`, not with fp32 masters) are yielded piece by
+    piece (`Batch.part_offset`). A group (or what is left of it) of more than
+    `in_place_above` bytes is yielded inside its gather without copies (`Batch.in_place`),
+    so a layer too large to exist twice never does.
+    `before_copy()` runs after a group's gather and before its values are made (a background
+    writer waits there, so its last batch is freed before the next one exists).
+    Every rank must call this with the same entries.
     """
-    out: dict[str, torch.Tensor] | None = {} if keep else None
     done: dict[int, str] = {}  # id(live tensor) -> first key, so tied keys share one copy
     master_of = gather.fp32_masters() if want_master else None
-    for group in _groups(entries):
+    for group in _groups(entries, limit):
         masters: dict[int, torch.Tensor] = {}
         if master_of is not None:
             for entry in group:
@@ -223,12 +290,38 @@ def _collect(
                 to_gather.setdefault(id(entry.tensor), entry.tensor)
             for tensor in entry.extra:
                 to_gather.setdefault(id(tensor), tensor)
+        group_bytes = sum(e.nbytes for e in group)
+        if pieces_above is not None and group_bytes > pieces_above and master_of is None:
+            # a layer larger than a bucket: its partitioned tensors are streamed one partition at
+            # a time where the backend can, so they never exist whole (not even during the gather)
+            rest = []
+            for entry in group:
+                parts = None
+                if (
+                    entry.compute is None
+                    and not entry.extra
+                    and id(entry.tensor) not in done
+                    and entry.out_dtype == entry.tensor.dtype
+                ):
+                    parts = gather.pieces(entry.tensor)
+                if parts is None:
+                    rest.append(entry)
+                    continue
+                yield from _streamed(entry, parts, keep=keep, before_copy=before_copy)
+                done[id(entry.tensor)] = entry.key
+                to_gather.pop(id(entry.tensor), None)
+            group = rest
+            if not group:
+                continue
+        in_place = in_place_above is not None and sum(e.nbytes for e in group) > in_place_above
+        batch = Batch([], in_place=in_place)
         with gather.gathered(list(to_gather.values())):
+            if keep and before_copy is not None:
+                before_copy()
             for entry in group:
                 ident = id(entry.tensor) if entry.compute is None else id(entry)
                 if ident in done:
-                    if out is not None:
-                        out[entry.key] = out[done[ident]]
+                    batch.values.append((entry, done[ident]))
                     continue
                 if entry.compute is not None:
                     with torch.no_grad():
@@ -236,13 +329,61 @@ def _collect(
                 else:
                     value = _full(masters.get(ident, entry.tensor).detach())
                 check_not_empty(entry, value)
-                if out is not None:
-                    out[entry.key] = value.reshape(entry.shape).to(
-                        device="cpu", dtype=entry.out_dtype, copy=True
-                    )
+                out = None
+                if keep:
+                    shaped = value.reshape(entry.shape)
+                    out = shaped.to(device="cpu", dtype=entry.out_dtype, copy=not in_place)
+                    del shaped
+                del value
+                batch.values.append((entry, out))
                 done[ident] = entry.key
+            if in_place:
+                yield batch  # consumed before the gather ends
+                batch.values.clear()
         masters.clear()
-    return out
+        if not in_place:
+            yield batch
+        del batch
+
+
+def _streamed(
+    entry: Entry, parts: Iterator[torch.Tensor | None], *, keep: bool, before_copy: Callable[[], None] | None
+) -> Iterator[Batch]:
+    """`entry`'s value as in-place part batches (rank 0); checks the parts add up to its size."""
+    offset = 0
+    for part in parts:
+        if keep and before_copy is not None:
+            before_copy()
+        numel = part.numel() if part is not None else 0
+        if keep and part is not None:  # a received buffer, or a view of rank 0's own partition
+            yield Batch([(entry, part)], part_offset=offset)
+        offset += numel * (part.element_size() if part is not None else 0)
+        del part
+    if keep and offset != entry.nbytes:
+        raise RuntimeError(
+            f"consolidating `{entry.key}` streamed {offset} bytes but the parameter has {entry.nbytes} "
+            f"(shape {tuple(entry.shape)}); refusing to save a partial tensor."
+        )
+
+
+def _collect(
+    entries: list[Entry], *, gather: WeightGather, want_master: bool, keep: bool
+) -> dict[str, torch.Tensor] | None:
+    """Gather `entries` group by group; return CPU copies when `keep` (rank 0), else None.
+
+    Every rank must call this with the same entries: the gathers are collective.
+    """
+    out: dict[str, torch.Tensor] = {}
+    limit = bucket_bytes(entries)
+    for batch in _gathered_groups(entries, gather=gather, want_master=want_master, keep=keep, limit=limit):
+        if not keep:
+            continue
+        for entry, value in batch.values:
+            if isinstance(value, str):  # a tied alias
+                out[entry.key] = out[value]
+            elif value is not None:
+                out[entry.key] = value
+    return out if keep else None
 
 
 def consolidated_state_dict(
@@ -257,7 +398,7 @@ def consolidated_state_dict(
 
     Partitioned parameters (ZeRO-3) are gathered one submodule at a time and copied to CPU on
     rank 0 only, so rank 0 holds about one copy of the weights plus one gather bucket (whole
-    layers, up to `GATHER_BUCKET_BYTES`, or one larger layer); no DeepSpeed
+    layers, up to 2 % of the weights within 1-16 MiB, or one larger layer); no DeepSpeed
     flag (`stage3_gather_16bit_weights_on_model_save`) is needed.
 
     Args:
@@ -342,12 +483,14 @@ def _needs_weight_conversion(module: nn.Module) -> bool:
 
 # --------------------------------------------------------------------------- sharding
 @dataclass
-class _Shard:
+class Shard:
+    """One weights file of a save: its name and the entries it holds, in order."""
+
     filename: str
     entries: list[Entry]
 
 
-def split_shards(entries: list[Entry], max_bytes: int, weights_name: str) -> list[_Shard]:
+def split_shards(entries: list[Entry], max_bytes: int, weights_name: str) -> list[Shard]:
     """Split like huggingface_hub: in order, a new shard when the next tensor would overflow."""
     shards: list[list[Entry]] = [[]]
     size = 0
@@ -359,20 +502,70 @@ def split_shards(entries: list[Entry], max_bytes: int, weights_name: str) -> lis
         shards[-1].append(entry)
         size += nbytes
     if len(shards) == 1:
-        return [_Shard(weights_name, shards[0])]
+        return [Shard(weights_name, shards[0])]
     stem, ext = weights_name.rsplit(".", 1)
     total = len(shards)
-    return [_Shard(f"{stem}-{i + 1:05d}-of-{total:05d}.{ext}", s) for i, s in enumerate(shards)]
+    return [Shard(f"{stem}-{i + 1:05d}-of-{total:05d}.{ext}", s) for i, s in enumerate(shards)]
 
 
 def write_weights(tensors: dict[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
+    """Write one weights file and fsync it (safetensors without a second copy of the tensors)."""
     if safe_serialization:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        _safetensors.save_file(tensors, path, metadata=SAFETENSORS_METADATA)
     else:
         torch.save(tensors, path)
-    fsync_file(path)
+        fsync_file(path)
+
+
+def stream_shards(
+    shards: list[Shard],
+    directory: Path,
+    batches: Callable[[Shard, Callable[[], None] | None], Iterator[Batch]],
+    *,
+    write: bool,
+) -> BaseException | None:
+    """Write safetensors shards a batch at a time, on a background thread (collective per `batches`).
+
+    `batches(shard, before_copy)` yields the shard's values batch by batch (CPU tensors where
+    `write`, else None); each batch is written at its offsets while the next one is produced,
+    and `before_copy` waits for the write in flight, so at most two batches exist at once (one
+    for an in-place batch, which is written before the producer resumes). Every shard file is
+    laid out up front and fsynced when complete. Returns the first write error; later batches
+    are still produced, so collective producers keep every rank in step.
+    """
+    writer = _safetensors.BackgroundWriter() if write else None
+    opened: list[_safetensors.SafetensorsFile] = []
+
+    def start(shard: Shard) -> None:
+        layout = [(e.key, e.out_dtype, tuple(int(d) for d in e.shape)) for e in shard.entries]
+        opened.append(_safetensors.SafetensorsFile(directory / shard.filename, layout, SAFETENSORS_METADATA))
+
+    def put(batch: Batch) -> None:
+        for entry, value in batch.values:
+            if not isinstance(value, torch.Tensor):
+                continue
+            if batch.part_offset is None:
+                opened[-1].write(entry.key, value)
+            else:
+                opened[-1].write_part(entry.key, value, batch.part_offset)
+
+    try:
+        for shard in shards:
+            if writer is not None:
+                writer.submit(start, shard)
+            for batch in batches(shard, writer.idle if writer is not None else None):
+                if writer is not None:
+                    writer.submit(put, batch)
+                    if batch.in_place:
+                        writer.idle()
+                del batch
+            if writer is not None:
+                writer.submit(lambda: opened[-1].close())
+    finally:
+        error = writer.close() if writer is not None else None
+        for file in opened:
+            file.abort()
+    return error
 
 
 def preflight(save_directory: Path, module: nn.Module | None, tokenizer: Any) -> str:
@@ -437,8 +630,11 @@ def save_pretrained(
 ) -> None:
     """Write `module` as a `from_pretrained` folder (collective: every rank calls it).
 
-    Weights are gathered and written shard by shard: with partitioned parameters (ZeRO-3)
-    rank 0 never holds more than one shard plus one layer. Rank 0 writes safetensors (`model.safetensors`, or
+    Weights are streamed (safetensors): gathered a bucket of layers at a time and written at
+    their offsets while the next bucket gathers; with partitioned parameters (ZeRO-3) rank 0
+    holds about two buckets (2 % of the weights, 1-16 MiB, each), and a layer larger than a
+    bucket arrives one partition at a time (two in flight). `pytorch_model.bin` output is written a
+    shard at a time. Rank 0 writes safetensors (`model.safetensors`, or
     `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` past
     `max_shard_size`), `config.json` (and `generation_config.json`) for transformers models,
     and the tokenizer. Tied duplicates are dropped as transformers' `save_pretrained` drops
@@ -495,7 +691,7 @@ def save_pretrained(
         tmp.mkdir(parents=True)
 
     on_rank0(start)
-    shards: list[_Shard] = []
+    shards: list[Shard] = []
     saved_dtype = dtype
 
     def write_given(given: Mapping[str, torch.Tensor] | None, cast: torch.dtype | None) -> None:
@@ -527,12 +723,35 @@ def save_pretrained(
                     del full
                 else:
                     shards = split_shards(_drop_tied(module, entries), max_bytes, weights_name)
-                    for shard in shards:
-                        keep = rank == 0 and error is None
-                        tensors = _collect(shard.entries, gather=gather, want_master=want_master, keep=keep)
-                        if tensors is not None:
-                            on_rank0(write_weights, tensors, tmp / shard.filename, safe_serialization)
-                        del tensors
+                    limit = bucket_bytes(entries, cap=max_bytes // 2)
+                    if safe_serialization:
+
+                        def groups(shard: Shard, before_copy: Callable[[], None] | None) -> Iterator[Batch]:
+                            # a group that could not exist twice within half a shard is written
+                            # from the gathered tensors, before the next gather
+                            return _gathered_groups(
+                                shard.entries,
+                                gather=gather,
+                                want_master=want_master,
+                                keep=before_copy is not None,
+                                limit=limit,
+                                before_copy=before_copy,
+                                in_place_above=max_bytes // 2,
+                                pieces_above=limit,
+                            )
+
+                        failed = stream_shards(shards, tmp, groups, write=rank == 0 and error is None)
+                        if failed is not None and error is None:
+                            error = failed
+                    else:
+                        for shard in shards:
+                            keep = rank == 0 and error is None
+                            tensors = _collect(
+                                shard.entries, gather=gather, want_master=want_master, keep=keep
+                            )
+                            if tensors is not None:
+                                on_rank0(write_weights, tensors, tmp / shard.filename, safe_serialization)
+                            del tensors
     except BaseException:
         # raised on every rank alike (e.g. an empty gathered tensor): no half-written folder
         if rank == 0:
@@ -567,7 +786,7 @@ def _write_given_state_dict(
     max_bytes: int,
     safe_serialization: bool,
     dtype: torch.dtype | None,
-) -> list[_Shard]:
+) -> list[Shard]:
     """Shard and write an already-consolidated dict (rank 0 only); returns the shard plan."""
     _check_given_state_dict(module, state_dict, gather)
     if is_hf_model(module):
@@ -585,6 +804,19 @@ def _write_given_state_dict(
         entries = _drop_aliases(entries)
     shards = split_shards(entries, max_bytes, weights_name)
     for shard in shards:
+        if safe_serialization:  # a tensor at a time: no second copy of the shard
+            out = _safetensors.SafetensorsFile(
+                tmp / shard.filename,
+                [(e.key, e.out_dtype, tuple(int(d) for d in e.shape)) for e in shard.entries],
+                SAFETENSORS_METADATA,
+            )
+            try:
+                for e in shard.entries:
+                    out.write(e.key, e.tensor.detach().to(device="cpu", dtype=e.out_dtype))
+                out.close()
+            finally:
+                out.abort()
+            continue
         tensors = {
             e.key: e.tensor.detach().to(device="cpu", dtype=e.out_dtype).contiguous() for e in shard.entries
         }

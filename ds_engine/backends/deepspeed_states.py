@@ -94,6 +94,33 @@ def _master_fp32(
     return safe_get_full_fp32_param(tensor)
 
 
+def _partitions_to_rank0(
+    tensor: torch.Tensor, part: torch.Tensor, group: Any
+) -> Iterator[torch.Tensor | None]:
+    """Rank r of the partition group holds elements [r*n, (r+1)*n) of the flattened parameter
+    (n = its partition size, the last one padded): each is sent to rank 0 in turn."""
+    dist = torch.distributed
+    numel = int(tensor.ds_numel)  # type: ignore[attr-defined]
+    size = int(part.numel())
+    me = dist.get_rank(group)
+    root = dist.get_global_rank(group, 0)
+    for r in range(dist.get_world_size(group)):
+        valid = max(0, min(size, numel - r * size))
+        if valid == 0:
+            continue
+        if r == 0:
+            yield part.detach().reshape(-1)[:valid] if me == 0 else None
+        elif me == 0:
+            buffer = torch.empty(valid, dtype=part.dtype, device=part.device)
+            dist.recv(buffer, src=dist.get_global_rank(group, r))
+            yield buffer
+            del buffer
+        else:
+            if me == r:
+                dist.send(part.detach().reshape(-1)[:valid].contiguous(), dst=root)
+            yield None
+
+
 class DeepSpeedGather(weights.WeightGather):
     """Reads the weights of a model trained by `ds_engine` (a DeepSpeedEngine, or None).
 
@@ -118,6 +145,30 @@ class DeepSpeedGather(weights.WeightGather):
         # modifier_rank=None: read-only, so leaving the context re-partitions without a broadcast.
         with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
             yield
+
+    def pieces(self, tensor: torch.Tensor) -> Iterator[torch.Tensor | None] | None:
+        """A ZeRO-3 parameter's partitions sent to rank 0 one at a time (point to point), in rank
+        order: rank 0 holds one partition, never the whole tensor. None (use `gathered`) for
+        anything but a plain partitioned parameter whose partition group is the whole world:
+        gathered/persistent parameters, NVMe-offloaded or quantized partitions, sub-groups."""
+        if not _is_zero3(tensor):
+            return None
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        part = getattr(tensor, "ds_tensor", None)
+        group = getattr(tensor, "ds_process_group", None)
+        if (
+            part is None
+            or tensor.ds_status != ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+            or getattr(part, "final_location", None) is not None  # on NVMe
+            or hasattr(part, "ds_quant_scale")
+            or part.dtype != tensor.dtype
+            or not torch.distributed.is_initialized()
+            or group is None
+            or torch.distributed.get_world_size(group) != torch.distributed.get_world_size()
+        ):
+            return None
+        return _partitions_to_rank0(tensor, part, group)
 
     def fp32_masters(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         ds_engine = self.ds_engine

@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ds_engine import _safetensors
 from ds_engine.cli import main as cli_main
 from ds_engine.consolidate import consolidate_checkpoint
 from ds_engine.weights import consolidated_state_dict, save_pretrained
@@ -180,15 +181,16 @@ def test_crash_mid_write_keeps_old_directory(tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     calls = {"n": 0}
-    real_save_file = safetensors.torch.save_file
+    real_close = _safetensors.SafetensorsFile.close
 
-    def crash_on_second_shard(tensors, filename, metadata=None):
+    def crash_on_second_shard(self):
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError("disk full (simulated)")
-        real_save_file(tensors, filename, metadata=metadata)
+        real_close(self)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash_on_second_shard)
+    # the shards are streamed (ds_engine._safetensors); the second one fails as it completes
+    monkeypatch.setattr(_safetensors.SafetensorsFile, "close", crash_on_second_shard)
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
