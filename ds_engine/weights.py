@@ -91,8 +91,49 @@ class WeightGather:
         """The full value of `tensor`, flattened, as consecutive pieces that rank 0 receives (None
         on other ranks) without the whole tensor ever existing anywhere; None when this backend
         cannot (then `gathered` is used). Collective: every rank iterates it to the end, and the
-        answer (None or not) must be the same on every rank."""
-        return None
+        answer (None or not) must be the same on every rank.
+
+        This base sends FSDP2 shards (a DTensor sharded on dim 0 over a 1-D mesh: each rank's
+        local rows are a consecutive run of the flattened tensor); other tensors get None.
+        """
+        mesh = getattr(tensor, "device_mesh", None)
+        placements = getattr(tensor, "placements", None)
+        if mesh is None or placements is None or mesh.ndim != 1 or len(placements) != 1:
+            return None
+        if not placements[0].is_shard(0) or not torch.distributed.is_initialized():
+            return None
+        local = tensor.to_local().detach()  # type: ignore[attr-defined]
+        group = mesh.get_group()
+        mine = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
+        counts = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(counts, mine, group=group)
+        sizes = [int(c) for c in counts]
+        if sum(sizes) != tensor.numel():  # padded or otherwise laid out: every rank sees it
+            return None
+        return parts_to_rank0(local.reshape(-1), sizes, group)
+
+
+def parts_to_rank0(local: torch.Tensor, counts: list[int], group: Any) -> Iterator[torch.Tensor | None]:
+    """Group rank r's first `counts[r]` elements of its flat `local` go to group rank 0 in rank
+    order, point to point (rank 0 yields its own as a view, then each received buffer; the
+    other ranks yield None). Collective over `group`: every rank iterates to the end."""
+    dist = torch.distributed
+    me = dist.get_rank(group)
+    root = dist.get_global_rank(group, 0)
+    for r, count in enumerate(counts):
+        if count == 0:
+            continue
+        if r == 0:
+            yield local[:count] if me == 0 else None
+        elif me == 0:
+            buffer = torch.empty(count, dtype=local.dtype, device=local.device)
+            dist.recv(buffer, src=dist.get_global_rank(group, r))
+            yield buffer
+            del buffer
+        else:
+            if me == r:
+                dist.send(local[:count].contiguous(), dst=root)
+            yield None
 
 
 # --------------------------------------------------------------------------- planning

@@ -94,33 +94,6 @@ def _master_fp32(
     return safe_get_full_fp32_param(tensor)
 
 
-def _partitions_to_rank0(
-    tensor: torch.Tensor, part: torch.Tensor, group: Any
-) -> Iterator[torch.Tensor | None]:
-    """Rank r of the partition group holds elements [r*n, (r+1)*n) of the flattened parameter
-    (n = its partition size, the last one padded): each is sent to rank 0 in turn."""
-    dist = torch.distributed
-    numel = int(tensor.ds_numel)  # type: ignore[attr-defined]
-    size = int(part.numel())
-    me = dist.get_rank(group)
-    root = dist.get_global_rank(group, 0)
-    for r in range(dist.get_world_size(group)):
-        valid = max(0, min(size, numel - r * size))
-        if valid == 0:
-            continue
-        if r == 0:
-            yield part.detach().reshape(-1)[:valid] if me == 0 else None
-        elif me == 0:
-            buffer = torch.empty(valid, dtype=part.dtype, device=part.device)
-            dist.recv(buffer, src=dist.get_global_rank(group, r))
-            yield buffer
-            del buffer
-        else:
-            if me == r:
-                dist.send(part.detach().reshape(-1)[:valid].contiguous(), dst=root)
-            yield None
-
-
 class DeepSpeedGather(weights.WeightGather):
     """Reads the weights of a model trained by `ds_engine` (a DeepSpeedEngine, or None).
 
@@ -168,7 +141,11 @@ class DeepSpeedGather(weights.WeightGather):
             or torch.distributed.get_world_size(group) != torch.distributed.get_world_size()
         ):
             return None
-        return _partitions_to_rank0(tensor, part, group)
+        # group rank r holds elements [r*n, (r+1)*n) of the flattened parameter (n = the
+        # partition size; the last partition is padded)
+        numel, size = int(tensor.ds_numel), int(part.numel())  # type: ignore[attr-defined]
+        counts = [max(0, min(size, numel - r * size)) for r in range(torch.distributed.get_world_size(group))]
+        return weights.parts_to_rank0(part.detach().reshape(-1), counts, group)
 
     def fp32_masters(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         ds_engine = self.ds_engine

@@ -54,7 +54,9 @@ def test_bytes_equal_safetensors_in_any_write_order(tmp_path, spec, metadata, or
     tensors = {name: _tensor(dtype, shape, i) for i, (name, (dtype, shape)) in enumerate(spec.items())}
     reference = safetensors.torch.save(tensors, metadata=metadata)
     path = tmp_path / "streamed.safetensors"
-    out = _safetensors.SafetensorsFile(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
+    out = _safetensors.SafetensorsFile(
+        path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata
+    )
     order = list(tensors)
     random.Random(order_seed).shuffle(order)
     for name in order:
@@ -65,7 +67,11 @@ def test_bytes_equal_safetensors_in_any_write_order(tmp_path, spec, metadata, or
 
 
 def test_save_file_matches_and_non_contiguous_tensors(tmp_path):
-    tensors = {"w": torch.randn(4, 6).t(), "b": torch.arange(3.0), "e": torch.tensor(2.5, dtype=torch.bfloat16)}
+    tensors = {
+        "w": torch.randn(4, 6).t(),
+        "b": torch.arange(3.0),
+        "e": torch.tensor(2.5, dtype=torch.bfloat16),
+    }
     _safetensors.save_file(tensors, tmp_path / "a", {"format": "pt"})
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     assert (tmp_path / "a").read_bytes() == safetensors.torch.save(contiguous, metadata={"format": "pt"})
