@@ -31,7 +31,9 @@ from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
+from ds_engine.generation import gathered as _gathered
 from ds_engine.generation import generate as _generate
+from ds_engine.generation import is_gathered as _is_gathered
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, schedule_length
 from ds_engine.step_state import StepState
 
@@ -695,6 +697,7 @@ class Engine:
                 f"`engine.backward` got unexpected arguments {sorted(kwargs)}. HINT: call "
                 "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
             )
+        self._refuse_training_while_gathered("engine.backward(loss)")
         context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if not self._in_accumulate:
             self._begin_micro_step()  # a micro-step of its own, with its own no_sync decision
@@ -717,7 +720,19 @@ class Engine:
             self._in_backward = False
         self.step.grads_pending = True
 
+    def _refuse_training_while_gathered(self, call: str) -> None:
+        """Raise inside `gathered(model)`: DeepSpeed's hooks are off and the parameters in use are
+        whole copies, which ZeRO-3's backward and optimizer step would not keep consistent."""
+        if self._model is not None and _is_gathered(self.unwrap_model(self._model)):
+            raise RuntimeError(
+                f"`{call}` inside `engine.gathered(model)`: the block holds the ZeRO-3 parameters "
+                "whole for inference, with DeepSpeed's fetch/release hooks off; training there would "
+                "leave the partitions and the gathered copies out of step. HINT: leave the block "
+                "before training (it re-partitions on exit); inside it, evaluate under torch.no_grad()."
+            )
+
     def _optimizer_step(self) -> None:
+        self._refuse_training_while_gathered("optimizer.step()")
         if (
             self._in_accumulate
             and self.step.micro_backwards == 0
@@ -923,9 +938,9 @@ class Engine:
 
         def write(tmp: Path) -> None:
             if safe_serialization:
-                from safetensors.torch import save_file
+                from ds_engine._safetensors import save_file
 
-                save_file(obj, str(tmp), metadata={"format": "pt"})
+                save_file(obj, tmp, metadata={"format": "pt"})
             else:
                 torch.save(obj, tmp)
 
@@ -947,8 +962,10 @@ class Engine:
 
         Rank 0 writes safetensors (sharded with an index past `max_shard_size`), the model
         config and the tokenizer into a temporary sibling and renames it into place, so a
-        crash never leaves a folder that looks complete. Under ZeRO-3 weights are gathered
-        and written shard by shard: rank 0 never holds more than one shard plus one layer.
+        crash never leaves a folder that looks complete. Weights are streamed: each tensor is
+        written into its shard as soon as it is gathered, while the next layer gathers, so
+        rank 0 holds about two gather buckets (ZeRO-3 layers larger than a bucket arrive one
+        rank's partition at a time), never a shard, let alone the model.
 
         A peft `PeftModel` writes only its adapter (peft's `adapter_config.json` and
         `adapter_model.safetensors`, reloaded by `PeftModel.from_pretrained(base, dir)`),
@@ -1076,6 +1093,8 @@ class Engine:
           collective per token (each rank stops on its own), then re-partitioned.
         - ZeRO-3 (and FSDP), synced: parameters stay sharded and `synced_gpus=True` is set
           when there are several ranks, so a finished rank keeps stepping until all are done.
+        - Inside `engine.gathered(model)` (ZeRO-3): no gather of its own; the gathered path on
+          the parameters the block holds.
 
         Args:
             model: The model `prepare` returned (or the module inside it).
@@ -1085,14 +1104,49 @@ class Engine:
 
         Raises:
             TypeError: A bad `gather`, or a model without `generate`.
-            ValueError: `gather=True` where the model cannot be gathered (FSDP), or
-                `synced_gpus=False` on the synced path with several ranks.
+            ValueError: `gather=True` where the model cannot be gathered (FSDP), `gather=False`
+                inside `gathered`, or `synced_gpus=False` on the synced path with several ranks.
         """
         self._dist()
+        wrapper, module = self._generation_target(model)
+        return _generate(wrapper, module, *args, gather=gather, **generate_kwargs)
+
+    def gathered(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context: hold a ZeRO-3 model's parameters whole for a block, e.g. a whole evaluation loop.
+
+        ``with engine.gathered(model):`` gathers every parameter once on entry (collective:
+        every rank enters) and re-partitions on exit (also on an exception; no collective).
+        Inside, `generate` skips its own gather and runs with no collective at all (ranks may
+        call it different numbers of times and stop at different lengths), and plain forwards
+        (``model(**batch)``) gather nothing per layer: one all-gather per block instead of one
+        per `generate` call. The block needs the whole model's memory on every rank, as
+        `generate(gather=True)` does. It does not change train/eval or grad mode: evaluate under
+        `torch.no_grad()` (`generate` does so itself).
+
+        Training in the block is refused: `engine.backward` and the prepared optimizer's `step`
+        raise (DeepSpeed's fetch/release hooks are off and the parameters in use are gathered
+        copies); train again after the block. Other gathers of the same parameters in the
+        block (`get_state_dict`, `save_pretrained`) are refused by DeepSpeed; call them outside.
+        A block inside a block for the same model is a no-op. ZeRO 0-2 and the DDP fallback
+        (nothing partitioned): a no-op. FSDP2 shards: a no-op; `generate` inside stays synced.
+
+        Args:
+            model: The model `prepare` returned (or the module inside it).
+
+        Raises:
+            ValueError: A ZeRO-3 module whose DeepSpeed engine this Engine does not hold (a
+                bare module prepared by another Engine: pass it to that Engine).
+        """
+        self._dist()
+        wrapper, module = self._generation_target(model)
+        return _gathered(wrapper, module)
+
+    def _generation_target(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(the wrapper that owns DeepSpeed's hooks, the user's module) for `model`."""
         wrapper = model
         if self._model is not None and model is not self._model and self.unwrap_model(self._model) is model:
             wrapper = self._model  # the bare module: find its DeepSpeed engine
-        return _generate(wrapper, self.unwrap_model(model), *args, gather=gather, **generate_kwargs)
+        return wrapper, self.unwrap_model(model)
 
 
 def _fill_dotted(block: Mapping[str, Any], path: list[str], value: Any) -> dict[str, Any]:

@@ -25,22 +25,40 @@ now (host memory on CPU ranks) on every rank; the ranks agree through one all-re
 Models that are not partitioned (ZeRO 0-2, the DDP fallback) run plain `generate`. FSDP2 shards
 (the fallback's ZeRO-2/3 on GPUs) run synced. In every case the model runs under
 `torch.no_grad()` in eval mode and each submodule's train/eval mode is restored afterwards.
+
+`gathered(wrapper, module)` (`Engine.gathered`) holds the gathered state for a whole block, e.g.
+an evaluation loop: one gather on entry, one re-partition on exit, and in between every
+`generate` takes the gathered path without a gather (or any other collective) of its own and
+plain forwards run on the whole parameters with no per-layer gather. Training in the block is
+refused (`Engine.backward` / the optimizer step raise, see `is_gathered`): the parameters in use
+are copies that an optimizer step would not update.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GATHER_MEMORY_FRACTION", "full_parameter_bytes", "generate", "partitioning"]
+__all__ = [
+    "GATHER_MEMORY_FRACTION",
+    "full_parameter_bytes",
+    "gathered",
+    "generate",
+    "is_gathered",
+    "partitioning",
+]
 
 #: `gather=None` gathers when the full parameters take at most this share of the memory available
 #: on every rank; the rest is left for activations and the KV cache.
 GATHER_MEMORY_FRACTION = 0.5
+
+#: The user's modules whose ZeRO-3 parameters `_gathered` holds whole now (hooks off).
+_GATHERED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def partitioning(module: torch.nn.Module) -> str | None:
@@ -51,6 +69,12 @@ def partitioning(module: torch.nn.Module) -> str | None:
         if hasattr(param, "full_tensor"):
             return "fsdp"
     return None
+
+
+def is_gathered(module: torch.nn.Module) -> bool:
+    """True while `module`'s ZeRO-3 parameters are held whole by `gathered` (or by `generate`'s
+    gathered path): DeepSpeed's fetch/release hooks are off, so it must not train."""
+    return module in _GATHERED
 
 
 def full_parameter_bytes(module: torch.nn.Module) -> int:
@@ -108,13 +132,44 @@ def _gathered(module: torch.nn.Module, offload: Any) -> Iterator[None]:
         start_hook = getattr(offload, "fwd_pre_hook", None)
         start_key = None if start_hook is None else start_hook.id
         start_fn = None if start_key is None else root_hooks.pop(start_key, None)
+        _GATHERED.add(module)
         try:
             yield
         finally:
+            _GATHERED.discard(module)
             if start_fn is not None:
                 root_hooks[start_key] = start_fn
                 root_hooks.move_to_end(start_key, last=False)  # before the fetch hooks, as registered
             offload._register_deepspeed_module(offload.module)  # also invalidates the fetch trace
+
+
+@contextlib.contextmanager
+def gathered(wrapper: torch.nn.Module, module: torch.nn.Module) -> Iterator[None]:
+    """Hold `module`'s ZeRO-3 parameters whole for the block (`Engine.gathered`).
+
+    Collective on entry (one all-gather of the whole model: every rank enters); inside, nothing
+    is collective: `generate` skips its own gather (ranks may call it different numbers of
+    times, and stop at different lengths), plain forwards gather nothing. On exit (also on an
+    exception, and without a collective) DeepSpeed's hooks are put back and the parameters
+    re-partitioned, as after `generate`'s gathered path. Re-entrant: a block inside a block for
+    the same model is a no-op. Not partitioned (ZeRO 0-2, the DDP fallback) or FSDP2-sharded
+    (whose `generate` stays synced, per call): a no-op.
+
+    Raises:
+        ValueError: a ZeRO-3 module without the DeepSpeed engine that owns its hooks.
+    """
+    if partitioning(module) != "zero3" or module in _GATHERED:
+        yield
+        return
+    offload = _zero3_offload(wrapper)
+    if offload is None:
+        raise ValueError(
+            f"`engine.gathered` on a bare ZeRO-3 module ({type(module).__name__}) that ds_engine cannot "
+            "match to its DeepSpeed engine (the owner of its parameter hooks). HINT: pass the model "
+            "`engine.prepare` returned, to the Engine that prepared it."
+        )
+    with _gathered(module, offload):
+        yield
 
 
 @contextlib.contextmanager
@@ -164,12 +219,14 @@ def generate(
         module: The user's model inside it (has `generate`).
         gather: True: gather the whole model once (DeepSpeed ZeRO-3); False: synced stepping;
             None: gather when it fits (`GATHER_MEMORY_FRACTION`). No effect where parameters
-            are not partitioned.
+            are not partitioned. Inside `gathered`, True and None run on the parameters
+            already gathered (no gather, no collective).
 
     Raises:
         TypeError: `gather` is not a bool or None; `module` has no `generate`.
         ValueError: `gather=True` where ds_engine cannot gather (FSDP2, a ZeRO-3 module without
-            its DeepSpeed engine), or `synced_gpus=False` on the synced path with several ranks.
+            its DeepSpeed engine), `gather=False` inside `gathered`, or `synced_gpus=False` on
+            the synced path with several ranks.
     """
     if gather is not None and not isinstance(gather, bool):
         raise TypeError(
@@ -194,6 +251,15 @@ def generate(
                     "stepping)."
                 )
             return _synced(module, args, generate_kwargs)
+        if module in _GATHERED:  # inside `gathered`: already whole, hooks already off
+            if gather is False:
+                raise ValueError(
+                    "`engine.generate(..., gather=False)` inside `engine.gathered(model)`: the model is "
+                    "already gathered, synced stepping over partitioned parameters is not available "
+                    "there. HINT: drop `gather=` inside the block, or generate outside it."
+                )
+            generate_kwargs.setdefault("synced_gpus", False)  # no collective per token: stop freely
+            return _call_generate(module, args, generate_kwargs)
         offload = _zero3_offload(wrapper)
         if gather and offload is None:
             raise ValueError(

@@ -4,17 +4,20 @@
     torchrun --nproc-per-node=2 scripts/bench_generate.py   # or under any launcher
 
 A small GPT-2 built from a config (nothing downloads), the same prompts on every path: each rank
-generates `--new-tokens` greedy tokens for `--batch` prompts of `--prompt-len` tokens. Paths:
+runs a loop of `--calls` generate calls (an evaluation loop), each generating `--new-tokens`
+greedy tokens for `--batch` prompts of `--prompt-len` tokens. Paths:
 
 - ZeRO-0: the whole model on every rank, `engine.generate` (plain `generate`);
 - naive ZeRO-3: `model.generate(..., synced_gpus=True)` on the partitioned model (every layer
   gathered for every token);
 - ds_engine synced: `engine.generate(model, gather=False)`;
-- ds_engine gathered: `engine.generate(model, gather=True)` (one gather for the whole call).
+- ds_engine gathered: `engine.generate(model, gather=True)` (one gather per call);
+- ds_engine gathered block: the loop inside `with engine.gathered(model):` (one gather for the
+  whole loop; `engine.generate` gathers nothing inside).
 
-tokens/s counts the new tokens of all ranks over the slowest rank's wall time, best of
-`--repeats` after one warm-up; "x ZeRO-0" is the time relative to ZeRO-0 (lower is better).
-Rank 0 prints one table.
+tokens/s counts the new tokens of all ranks and calls over the slowest rank's wall time for the
+loop, best of `--repeats` after one warm-up; "x ZeRO-0" is the time relative to ZeRO-0 (lower
+is better). Rank 0 prints one table.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=4, help="generate calls per loop (default 4)")
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
 
@@ -87,8 +91,8 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def timed(paths: dict[str, Any], repeats: int) -> dict[str, tuple[float, torch.Tensor]]:
-    """Per path: the best wall time of `repeats` calls (the slowest rank's) and its output. One
+def timed(paths: dict[str, Any], repeats: int) -> dict[str, tuple[float, Any]]:
+    """Per path: the best wall time of `repeats` runs (the slowest rank's) and its output. One
     warm-up each; the repeats take turns across paths, so load from elsewhere hits all alike."""
     import torch.distributed as dist
 
@@ -115,17 +119,24 @@ def main() -> int:
     from ds_engine import Engine
 
     rank = int(os.environ["RANK"])
-    prompts = torch.randint(
-        1, args.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(rank)
-    )
-    kwargs = {
-        "input_ids": prompts,
-        "attention_mask": torch.ones_like(prompts),
-        "max_new_tokens": args.new_tokens,
-        "min_new_tokens": args.new_tokens,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
+    calls = []  # the evaluation loop: one prompt batch per call, different on each rank
+    for call in range(args.calls):
+        prompts = torch.randint(
+            1,
+            args.vocab,
+            (args.batch, args.prompt_len),
+            generator=torch.Generator().manual_seed(1000 * rank + call),
+        )
+        calls.append(
+            {
+                "input_ids": prompts,
+                "attention_mask": torch.ones_like(prompts),
+                "max_new_tokens": args.new_tokens,
+                "min_new_tokens": args.new_tokens,
+                "do_sample": False,
+                "pad_token_id": 0,
+            }
+        )
     engine0 = Engine(backend="deepspeed", zero_stage=0, micro_batch_size=1)
     created = build(args)
     model0, _ = engine0.prepare(created, torch.optim.SGD(created.parameters(), lr=0.0))
@@ -135,23 +146,34 @@ def main() -> int:
     model3, _ = engine3.prepare(created, torch.optim.SGD(created.parameters(), lr=0.0))
     module3 = engine3.unwrap_model(model3)
     module3.eval()
+    naive_generate: Any = module3.generate  # nn.Module's __getattr__ types it as a Tensor
+
+    def block() -> list[torch.Tensor]:
+        with engine3.gathered(model3):  # one gather for the whole loop
+            return [engine3.generate(model3, **kwargs) for kwargs in calls]
+
     paths = {
-        "ZeRO-0": lambda: engine0.generate(model0, **kwargs),
-        "naive ZeRO-3 generate": lambda: module3.generate(synced_gpus=True, **kwargs),
-        "ds_engine synced": lambda: engine3.generate(model3, gather=False, **kwargs),
-        "ds_engine gathered": lambda: engine3.generate(model3, gather=True, **kwargs),
+        "ZeRO-0": lambda: [engine0.generate(model0, **kwargs) for kwargs in calls],
+        "naive ZeRO-3 generate": lambda: [naive_generate(synced_gpus=True, **kwargs) for kwargs in calls],
+        "ds_engine synced": lambda: [engine3.generate(model3, gather=False, **kwargs) for kwargs in calls],
+        "ds_engine gathered": lambda: [engine3.generate(model3, gather=True, **kwargs) for kwargs in calls],
+        "ds_engine gathered block (`engine.gathered`)": block,
     }
     results = timed(paths, args.repeats)
 
     world = dist.get_world_size()
-    tokens = world * args.batch * args.new_tokens
-    same = all(torch.equal(out, results["ZeRO-0"][1]) for _, out in results.values())
+    tokens = world * args.calls * args.batch * args.new_tokens
+    base_ids = results["ZeRO-0"][1]
+    same = all(
+        len(out) == len(base_ids) and all(torch.equal(a, b) for a, b in zip(out, base_ids, strict=True))
+        for _, out in results.values()
+    )
     if rank == 0:
         params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module3.parameters())
         print(
             f"\nGPT-2 {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f}M parameters (fp32); "
-            f"{world} CPU ranks (gloo); per rank {args.batch} prompts x {args.prompt_len} tokens, "
-            f"{args.new_tokens} new tokens; best of {args.repeats}"
+            f"{world} CPU ranks (gloo); per rank a loop of {args.calls} calls x {args.batch} prompts x "
+            f"{args.prompt_len} tokens, {args.new_tokens} new tokens; best of {args.repeats}"
         )
         base = results["ZeRO-0"][0]
         print("| path | seconds | tokens/s | x ZeRO-0 |\n|---|---:|---:|---:|")

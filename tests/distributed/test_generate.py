@@ -124,3 +124,76 @@ def test_fallback_generates_plainly(fallback_results, key):
         assert fallback["modes_after"] == [True, True, False]
         assert fallback["loss"] == pytest.approx(fallback["reference_loss"], rel=1e-6)
         assert fallback["loss_after_step"] < fallback["loss"]
+
+
+# ---------------------------------------------------------------- engine.gathered: one gather per block
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["block:maxnew", "block:eos", "block:nested"])
+def test_zero3_gathered_block_generates_without_gathering_per_call(deepspeed_results, key):
+    """In `engine.gathered(model)`: every `generate` (gather=None, True, nested block) gives the
+    unsharded model's ids, each rank running only its own forwards (no synced stepping)."""
+    zero3 = [r["zero3"] for r in deepspeed_results]
+    f0, f1 = _check_ids_and_lengths(zero3, key)
+    lengths = [3, 10] if key.endswith(":eos") else [3, 9]
+    assert [f0, f1] == lengths
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_zero3_gathered_block_forwards_and_uneven_calls(deepspeed_results):
+    """Rank 1 makes one `generate` call and one forward more than rank 0 inside the block (a
+    collective there would hang); plain forwards give the unsharded logits."""
+    r0, r1 = (r["zero3"] for r in deepspeed_results)
+    assert "block:extra" not in r0
+    assert r1["block:extra"]["ids"] == r1["block:extra"]["reference"]
+    assert [r0["block_forwards"], r1["block_forwards"]] == [2, 3]
+    for rank in (r0, r1):
+        assert rank["block_is_gathered"] and rank["block_after_nested"] and rank["block_still_whole"]
+        assert rank["block_logits_diff"] < 1e-5 and rank["block_bare_logits_diff"] < 1e-5
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_zero3_gathered_block_refuses_training_and_repartitions(deepspeed_results):
+    for rank in deepspeed_results:
+        zero3 = rank["zero3"]
+        assert zero3["block_synced"].startswith("ValueError: `engine.generate(..., gather=False)` inside")
+        for key, call in [("block_backward", "engine.backward(loss)"), ("block_step", "optimizer.step()")]:
+            message = zero3[key]
+            assert message.startswith(f"RuntimeError: `{call}` inside `engine.gathered(model)`"), message
+            assert "HINT:" in message
+        # another gather of the same parameters inside the block: DeepSpeed's own refusal
+        assert zero3["block_state_dict"].startswith("RuntimeError:"), zero3["block_state_dict"]
+        assert zero3["block_left"]
+        released = zero3["block_released"]
+        assert released["count"] > 0 and released["empty"] and released["sharded"], released
+        assert zero3["still_gathered"] == []
+        # training after the block: the step the unsharded model takes (SGD, same batch on both ranks)
+        assert zero3["loss_after_step"] == pytest.approx(zero3["reference_loss_after_step"], rel=1e-5)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["block:maxnew", "block:eos", "block:nested"])
+def test_zero2_gathered_block_is_a_no_op(deepspeed_results, key):
+    zero2 = [r["zero2"] for r in deepspeed_results]
+    f0, f1 = _check_ids_and_lengths(zero2, key)
+    assert f0 < f1
+    for rank in zero2:
+        assert not rank["block_is_gathered"] and rank["block_left"]
+        assert rank["block_logits_diff"] < 1e-5
+        assert rank["loss_after_step"] == pytest.approx(rank["reference_loss_after_step"], rel=1e-5)
+
+
+@pytest.mark.parametrize("key", ["block:maxnew", "block:eos", "block:nested"])
+def test_fallback_gathered_block_is_a_no_op(fallback_results, key):
+    fallback = [r["fallback"] for r in fallback_results]
+    f0, f1 = _check_ids_and_lengths(fallback, key)
+    assert f0 < f1
+    assert [r["block_forwards"] for r in fallback] == [2, 3]
+    assert fallback[1]["block:extra"]["ids"] == fallback[1]["block:extra"]["reference"]
+    for rank in fallback:
+        assert not rank["block_is_gathered"] and rank["block_left"]
+        assert rank["block_logits_diff"] < 1e-5 and rank["block_bare_logits_diff"] < 1e-5
+        assert rank["loss_after_step"] == pytest.approx(rank["reference_loss_after_step"], rel=1e-5)

@@ -4,10 +4,13 @@
 on the synced path (`gather=False`), the gathered path (`gather=True`) and the automatic choice
 (`gather=None`), each with per-rank `max_new_tokens` and with a per-rank EOS that one rank's
 greedy output emits early; then the same under ZeRO-2. --suite fallback: the accelerate
-backend (DDP). Every rank also generates with an unsharded copy of the same seed-built model in
-this process (the reference), and counts the forwards its model ran (a forward hook), which
-tells the synced path (every rank steps until the longest is done) from the gathered one (each
-rank stops on its own).
+backend (DDP). Each scenario also runs an evaluation block in `engine.gathered(model)` (one
+gather for several `generate` calls and plain forwards; rank 1 makes one call and one forward
+more than rank 0, so anything collective inside would hang), checks what the block refuses on
+ZeRO-3 and that the model is partitioned again after it. Every rank also generates with an
+unsharded copy of the same seed-built model in this process (the reference), and counts the
+forwards its model ran (a forward hook), which tells the synced path (every rank steps until
+the longest is done) from the gathered one (each rank stops on its own).
 """
 
 from __future__ import annotations
@@ -127,6 +130,71 @@ def partitioned_now(module: torch.nn.Module) -> list[str]:
     ]
 
 
+def released_after(module: torch.nn.Module) -> dict:
+    """ZeRO-3: the non-persistent parameters hold an empty local tensor and only their shard in
+    `ds_tensor` (as DeepSpeed leaves them partitioned)."""
+    params: list[Any] = list(module.parameters())
+    partitioned = [p for p in params if not p.ds_persist]
+    return {
+        "count": len(partitioned),
+        "empty": all(p.numel() == 0 for p in partitioned),
+        "sharded": all(0 < p.ds_tensor.numel() < p.ds_numel for p in partitioned),
+    }
+
+
+def eval_batch() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
+
+
+def gathered_block(engine: Any, model: Any, module: Any, reference: Any, optimizer: Any, stage: int) -> dict:
+    """An evaluation loop in `engine.gathered(model)`: several `generate` calls (per-rank lengths,
+    and one call more on rank 1) and plain forwards; what the block refuses (ZeRO-3); the state
+    after it."""
+    from ds_engine.generation import is_gathered
+
+    out: dict = {}
+    modes = [(sub, sub.training) for sub in module.modules()]
+    batch = eval_batch()
+    with torch.no_grad():
+        want = reference(input_ids=batch).logits
+    with engine.gathered(model):
+        out["block_is_gathered"] = is_gathered(module)
+        out["block:maxnew"] = run_case(engine, model, module, reference, maxnew_kwargs(), None)
+        out["block:eos"] = run_case(engine, model, module, reference, eos_kwargs(reference), True)
+        if rank() == 1:  # one generate call more on this rank only: nothing inside is collective
+            out["block:extra"] = run_case(engine, module, module, reference, maxnew_kwargs(), None)
+        module.eval()
+        with torch.no_grad():
+            start = COUNTER.n
+            logits = model(input_ids=batch).logits
+            bare_logits = module(input_ids=batch).logits
+            if rank() == 1:
+                model(input_ids=batch)  # a forward more on this rank only
+            out["block_forwards"] = COUNTER.n - start
+        out["block_logits_diff"] = float((logits - want).abs().max())
+        out["block_bare_logits_diff"] = float((bare_logits - want).abs().max())
+        with engine.gathered(module):  # nested (the bare module): a no-op
+            out["block:nested"] = run_case(engine, model, module, reference, maxnew_kwargs(), None)
+        out["block_after_nested"] = is_gathered(module)
+        if stage == 3:
+            out["block_still_whole"] = partitioned_now(module) == [
+                n for n, p in module.named_parameters() if not p.ds_persist
+            ]
+            out["block_synced"] = error_of(lambda: engine.generate(model, gather=False, **maxnew_kwargs()))
+            module.train()
+            out["block_backward"] = error_of(
+                lambda: engine.backward(model(input_ids=batch, labels=batch).loss)
+            )
+            out["block_step"] = error_of(optimizer.step)
+            out["block_state_dict"] = error_of(lambda: engine.get_state_dict(model))
+    for sub, training in modes:
+        sub.training = training
+    out["block_left"] = not is_gathered(module)
+    if stage == 3:
+        out["block_released"] = released_after(module)
+    return out
+
+
 COUNTER: ForwardCounter
 
 
@@ -151,6 +219,7 @@ def scenario(backend: str, stage: int, gathers: dict[str, Any]) -> dict:
     result["modes_after"] = [module.training, module.transformer.training, module.transformer.h[0].training]
     # the bare module works too (its DeepSpeed engine is found)
     result["bare:maxnew"] = run_case(engine, module, module, reference, maxnew_kwargs(), None)
+    result.update(gathered_block(engine, model, module, reference, optimizer, stage))
     if stage == 3:
         result["still_gathered"] = partitioned_now(module)
         result["bad_gather"] = error_of(lambda: engine.generate(model, gather="yes", **maxnew_kwargs()))
@@ -158,7 +227,7 @@ def scenario(backend: str, stage: int, gathers: dict[str, Any]) -> dict:
             lambda: engine.generate(model, gather=False, synced_gpus=False, **maxnew_kwargs())
         )
     # training still works after generation (ZeRO-3: hooks and partitions restored)
-    batch = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
+    batch = eval_batch()
     with torch.no_grad():
         model.eval()
         result["loss"] = float(model(input_ids=batch, labels=batch).loss)
@@ -171,6 +240,13 @@ def scenario(backend: str, stage: int, gathers: dict[str, Any]) -> dict:
         optimizer.zero_grad()
     with torch.no_grad():
         result["loss_after_step"] = float(model(input_ids=batch, labels=batch).loss)
+    # the same step on the unsharded reference (both ranks train on the same batch)
+    reference.train()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(input_ids=batch, labels=batch).loss.backward()
+    reference_optimizer.step()
+    with torch.no_grad():
+        result["reference_loss_after_step"] = float(reference(input_ids=batch, labels=batch).loss)
     return result
 
 
