@@ -31,6 +31,7 @@ from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
+from ds_engine.generation import any_gathered as _any_gathered
 from ds_engine.generation import gathered as _gathered
 from ds_engine.generation import generate as _generate
 from ds_engine.generation import is_gathered as _is_gathered
@@ -723,7 +724,9 @@ class Engine:
     def _refuse_training_while_gathered(self, call: str) -> None:
         """Raise inside `gathered(model)`: DeepSpeed's hooks are off and the parameters in use are
         whole copies, which ZeRO-3's backward and optimizer step would not keep consistent."""
-        if self._model is not None and _is_gathered(self.unwrap_model(self._model)):
+        # per micro-step: nothing to look up unless some block is open (unwrap_model is not free
+        # on the accelerate backend, which asks accelerate about DeepSpeed on every call)
+        if _any_gathered() and self._model is not None and _is_gathered(self.unwrap_model(self._model)):
             raise RuntimeError(
                 f"`{call}` inside `engine.gathered(model)`: the block holds the ZeRO-3 parameters "
                 "whole for inference, with DeepSpeed's fetch/release hooks off; training there would "

@@ -77,6 +77,11 @@ def is_gathered(module: torch.nn.Module) -> bool:
     return module in _GATHERED
 
 
+def any_gathered() -> bool:
+    """True while any module is held whole (a cheap check for the per-step training guard)."""
+    return len(_GATHERED) > 0
+
+
 def full_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of every parameter at its full (unpartitioned) size, in the dtype it is held in."""
     total = 0
