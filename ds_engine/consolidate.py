@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,9 @@ from ds_engine.weights import (
     SAFE_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
-    Batch,
     Entry,
-    Shard,
     check_not_empty,
+    one_at_a_time,
     preflight,
     split_shards,
     stream_shards,
@@ -195,7 +193,7 @@ def consolidate_checkpoint(
         if safe_serialization:
             # a tensor at a time: read (DeepSpeed's lazy fragments, memory-mapped) while the
             # previous one is written, so memory stays about two tensors, never a shard
-            failed = stream_shards(shards, tmp, _read_one_by_one, write=True)
+            failed = stream_shards(shards, tmp, one_at_a_time, write=True)
             if failed is not None:
                 raise failed
         for shard in shards if not safe_serialization else []:
@@ -223,17 +221,6 @@ def consolidate_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
-
-
-def _read_one_by_one(shard: Shard, before_copy: Callable[[], None] | None) -> Iterator[Batch]:
-    """One checkpoint tensor at a time, in the output dtype (for `stream_shards`)."""
-    for entry in shard.entries:
-        if before_copy is not None:
-            before_copy()
-        value = entry.tensor.contiguous().to(dtype=entry.out_dtype)
-        check_not_empty(entry, value)
-        yield Batch([(entry, value.reshape(entry.shape))])
-        del value
 
 
 def _zero_stage(tag_dir: Path) -> int:

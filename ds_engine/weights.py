@@ -240,17 +240,6 @@ def _groups(entries: list[Entry], limit: int = GATHER_BUCKET_BYTES) -> Iterator[
         yield bucket
 
 
-def largest_layer_bytes(entries: list[Entry]) -> int:
-    """Bytes of the largest run of consecutive entries with one owner (one gather at least)."""
-    largest = size = 0
-    previous = None
-    for entry in entries:
-        size = size + entry.nbytes if entry.owner == previous else entry.nbytes
-        previous = entry.owner
-        largest = max(largest, size)
-    return largest
-
-
 # --------------------------------------------------------------------------- gathering
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind an FSDP2 DTensor shard (collective); other tensors as they are."""
@@ -390,15 +379,15 @@ def _gathered_groups(
 def _streamed(
     entry: Entry, parts: Iterator[torch.Tensor | None], *, keep: bool, before_copy: Callable[[], None] | None
 ) -> Iterator[Batch]:
-    """`entry`'s value as in-place part batches (rank 0); checks the parts add up to its size."""
+    """`entry`'s value as part batches (rank 0; each a received buffer or a view of rank 0's own
+    partition, unchanged while the save runs); checks the parts add up to its size."""
     offset = 0
     for part in parts:
         if keep and before_copy is not None:
             before_copy()
-        numel = part.numel() if part is not None else 0
-        if keep and part is not None:  # a received buffer, or a view of rank 0's own partition
+        if keep and part is not None:
             yield Batch([(entry, part)], part_offset=offset)
-        offset += numel * (part.element_size() if part is not None else 0)
+        offset += part.nbytes if part is not None else 0
         del part
     if keep and offset != entry.nbytes:
         raise RuntimeError(
@@ -556,6 +545,20 @@ def write_weights(tensors: dict[str, torch.Tensor], path: Path, safe_serializati
     else:
         torch.save(tensors, path)
         fsync_file(path)
+
+
+def one_at_a_time(shard: Shard, before_copy: Callable[[], None] | None) -> Iterator[Batch]:
+    """`stream_shards` batches for tensors that exist already or load lazily (a given state dict,
+    an offline checkpoint's memory-mapped fragments): one CPU tensor in its output dtype at a
+    time, read while the previous one is written."""
+    for entry in shard.entries:
+        if before_copy is not None:
+            before_copy()
+        with torch.no_grad():
+            value = entry.tensor.contiguous().to(device="cpu", dtype=entry.out_dtype)
+        check_not_empty(entry, value)
+        yield Batch([(entry, value.reshape(entry.shape))])
+        del value
 
 
 def stream_shards(
@@ -844,20 +847,12 @@ def _write_given_state_dict(
     if not is_hf_model(module):
         entries = _drop_aliases(entries)
     shards = split_shards(entries, max_bytes, weights_name)
+    if safe_serialization:  # a tensor at a time: no second copy of a shard
+        failed = stream_shards(shards, tmp, one_at_a_time, write=True)
+        if failed is not None:
+            raise failed
+        return shards
     for shard in shards:
-        if safe_serialization:  # a tensor at a time: no second copy of the shard
-            out = _safetensors.SafetensorsFile(
-                tmp / shard.filename,
-                [(e.key, e.out_dtype, tuple(int(d) for d in e.shape)) for e in shard.entries],
-                SAFETENSORS_METADATA,
-            )
-            try:
-                for e in shard.entries:
-                    out.write(e.key, e.tensor.detach().to(device="cpu", dtype=e.out_dtype))
-                out.close()
-            finally:
-                out.abort()
-            continue
         tensors = {
             e.key: e.tensor.detach().to(device="cpu", dtype=e.out_dtype).contiguous() for e in shard.entries
         }
