@@ -25,7 +25,7 @@ import copy
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -495,20 +495,51 @@ def _drop_tied(module: nn.Module, entries: list[Entry]) -> list[Entry]:
     return [e for e in entries if e.key in kept_keys]
 
 
-def _needs_weight_conversion(module: nn.Module) -> bool:
-    """True when transformers would rename/convert weights on save (e.g. fused MoE experts)."""
+def _save_conversions(module: nn.Module) -> list[Any]:
+    """The weight conversions transformers reverts on save (renames, fused experts), or []."""
     if not is_hf_model(module):
-        return False
+        return []
     conversions = getattr(module, "_weight_conversions", None)
     if conversions is None:
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import PrefixChange
         except ImportError:
-            return False
+            return []
         conversions = get_model_conversion_mapping(_any(module), add_legacy=False)
         conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
-    return bool(conversions)
+    return list(conversions or ())
+
+
+def _saved_names(module: nn.Module, entries: list[Entry]) -> list[Entry] | None:
+    """`entries` under the names and in the order transformers' `save_pretrained` writes them.
+
+    transformers reverts the conversions it applied on load (`revert_weight_conversion`): a
+    legacy checkpoint's `LayerNorm.gamma` goes back to `gamma`, a removed prefix comes back.
+    When every conversion is a renaming, a key's saved name does not depend on any tensor, so
+    transformers' own function is run on a dict of empty stand-ins and each entry takes the
+    name its stand-in comes back under: the weights can then stream shard by shard. Returns None
+    when a conversion computes tensors from several (a `WeightConverter`, e.g. fused MoE
+    experts) or the renaming is not one-to-one: those need the whole dict at once.
+    """
+    conversions = _save_conversions(module)
+    if not conversions:
+        return entries
+    from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+
+    if any(isinstance(c, WeightConverter) for c in conversions):
+        return None
+    stand_ins = [torch.empty(0) for _ in entries]
+    owner = {id(t): e for t, e in zip(stand_ins, entries, strict=True)}
+    reverted = revert_weight_conversion(
+        _any(module), {e.key: t for e, t in zip(entries, stand_ins, strict=True)}
+    )
+    renamed = [(key, owner.get(id(value))) for key, value in reverted.items()]
+    if len(renamed) != len(entries) or any(e is None for _, e in renamed):
+        return None
+    if len({id(e) for _, e in renamed}) != len(entries):
+        return None
+    return [replace(e, key=key) for key, e in renamed if e is not None]
 
 
 # --------------------------------------------------------------------------- sharding
@@ -521,16 +552,25 @@ class Shard:
 
 
 def split_shards(entries: list[Entry], max_bytes: int, weights_name: str) -> list[Shard]:
-    """Split like huggingface_hub: in order, a new shard when the next tensor would overflow."""
-    shards: list[list[Entry]] = [[]]
+    """Split as huggingface_hub's `split_torch_state_dict_into_shards`: in order, a new shard when
+    the next tensor would overflow the open one; a tensor larger than `max_bytes` gets a shard of
+    its own where it comes (the open shard stays open), so the files match transformers'."""
+    shards: list[list[Entry]] = []
+    current: list[Entry] = []
     size = 0
     for entry in entries:
         nbytes = entry.nbytes
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
+        if nbytes > max_bytes:
+            shards.append([entry])
+            continue
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current = []
             size = 0
-        shards[-1].append(entry)
+        current.append(entry)
         size += nbytes
+    if current or not shards:
+        shards.append(current)
     if len(shards) == 1:
         return [Shard(weights_name, shards[0])]
     stem, ext = weights_name.rsplit(".", 1)
@@ -738,11 +778,13 @@ def save_pretrained(
     shards: list[Shard] = []
     saved_dtype = dtype
 
-    def write_given(given: Mapping[str, torch.Tensor] | None, cast: torch.dtype | None) -> None:
+    def write_given(
+        given: Mapping[str, torch.Tensor] | None, cast: torch.dtype | None, drop_tied: bool = True
+    ) -> None:
         if given is not None:
             shards.extend(
                 _write_given_state_dict(
-                    module, given, gather, tmp, weights_name, max_bytes, safe_serialization, cast
+                    module, given, gather, tmp, weights_name, max_bytes, safe_serialization, cast, drop_tied
                 )
             )
 
@@ -755,18 +797,20 @@ def save_pretrained(
             want_master = dtype == torch.float32
             saved_dtype = dtype or _model_float_dtype(module)
             with gather.session():
-                if _needs_weight_conversion(module):
-                    # transformers renames/fuses some weights on save (many-to-one across layers),
+                kept = _drop_tied(module, entries)  # before any renaming, as transformers does
+                saved = _saved_names(module, kept)
+                if saved is None:
+                    # transformers fuses/splits some weights on save (many-to-one across layers),
                     # so the whole dict is needed at once: gather it, then let transformers revert
                     # the mapping. This path holds one full copy on rank 0 (like transformers).
                     from transformers.core_model_loading import revert_weight_conversion
 
-                    full = _collect(entries, gather=gather, want_master=want_master, keep=rank == 0)
+                    full = _collect(kept, gather=gather, want_master=want_master, keep=rank == 0)
                     if full is not None:
-                        on_rank0(write_given, revert_weight_conversion(_any(module), full), None)
+                        on_rank0(write_given, revert_weight_conversion(_any(module), full), None, False)
                     del full
                 else:
-                    shards = split_shards(_drop_tied(module, entries), max_bytes, weights_name)
+                    shards = split_shards(saved, max_bytes, weights_name)
                     limit = bucket_bytes(entries, cap=max_bytes // 2)
                     if safe_serialization:
 
@@ -830,10 +874,15 @@ def _write_given_state_dict(
     max_bytes: int,
     safe_serialization: bool,
     dtype: torch.dtype | None,
+    drop_tied: bool = True,
 ) -> list[Shard]:
-    """Shard and write an already-consolidated dict (rank 0 only); returns the shard plan."""
-    _check_given_state_dict(module, state_dict, gather)
-    if is_hf_model(module):
+    """Shard and write an already-consolidated dict (rank 0 only); returns the shard plan.
+
+    `drop_tied=False`: tied and ignored keys were dropped already (before transformers' renames).
+    """
+    if drop_tied:
+        _check_given_state_dict(module, state_dict, gather)
+    if is_hf_model(module) and drop_tied:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
         given = dict(state_dict)
@@ -846,7 +895,7 @@ def _write_given_state_dict(
         entries.append(Entry(key, value, 0, False, value.shape, out_dtype))
     if not is_hf_model(module):
         entries = _drop_aliases(entries)
-    shards = split_shards(entries, max_bytes, weights_name)
+    shards = _split_given(entries, max_bytes, weights_name)
     if safe_serialization:  # a tensor at a time: no second copy of a shard
         failed = stream_shards(shards, tmp, one_at_a_time, write=True)
         if failed is not None:
@@ -858,6 +907,22 @@ def _write_given_state_dict(
         }
         write_weights(tensors, tmp / shard.filename, safe_serialization)
     return shards
+
+
+def _split_given(entries: list[Entry], max_bytes: int, weights_name: str) -> list[Shard]:
+    """Shards of a dict of real tensors. Written as they are, huggingface_hub's own split decides
+    (it sizes a tensor by its storage and keeps views of one storage in one shard, which is what
+    transformers writes for e.g. experts split from a fused tensor); cast, `split_shards`."""
+    if not entries or any(e.out_dtype != e.tensor.dtype for e in entries):
+        return split_shards(entries, max_bytes, weights_name)
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    stem, ext = weights_name.rsplit(".", 1)
+    tensors = {e.key: e.tensor for e in entries}
+    pattern = f"{stem}{{suffix}}.{ext}"
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_bytes)
+    by_key = {e.key: e for e in entries}
+    return [Shard(name, [by_key[k] for k in keys]) for name, keys in split.filename_to_tensors.items()]
 
 
 def _drop_aliases(entries: list[Entry]) -> list[Entry]:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from ds_engine import _safetensors
@@ -152,6 +154,93 @@ def test_save_pretrained_sharded_index_loads(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     reference = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     assert_same_tensors(reloaded, reference)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), max_size=30), max_bytes=st.integers(1, 400))
+def test_shards_split_as_huggingface_hub_splits(sizes, max_bytes):
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from ds_engine.weights import Entry, split_shards
+
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    entries = [Entry(k, t, 0, True, t.shape, t.dtype) for k, t in tensors.items()]
+    pattern = "model{suffix}.safetensors"
+    hub = split_torch_state_dict_into_shards(tensors, filename_pattern=pattern, max_shard_size=max_bytes)
+    ours = split_shards(entries, max_bytes, "model.safetensors")
+    if not tensors:
+        assert [s.entries for s in ours] == [[]]
+        return
+    assert {e.key: s.filename for s in ours for e in s.entries} == hub.tensor_to_filename
+    assert [[e.key for e in s.entries] for s in ours] == list(hub.filename_to_tensors.values())
+
+
+def _legacy_bert(folder: Path):
+    """A tiny BERT saved with the legacy names old checkpoints have (`LayerNorm.gamma`/`beta`)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(3)
+    config = BertConfig(
+        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+    )
+    BertForMaskedLM(config).save_pretrained(folder)
+    tensors = safetensors.torch.load_file(folder / "model.safetensors")
+    legacy = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in tensors.items()
+    }
+    assert legacy != tensors
+    safetensors.torch.save_file(legacy, folder / "model.safetensors", metadata={"format": "pt"})
+    return BertForMaskedLM.from_pretrained(folder)
+
+
+def _same_weight_files(ours: Path, theirs: Path) -> None:
+    files = sorted(p.name for p in theirs.glob("*.safetensors"))
+    assert files and sorted(p.name for p in ours.glob("*.safetensors")) == files
+    for name in files:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    if len(files) > 1:
+        index = "model.safetensors.index.json"
+        theirs_map = json.loads((theirs / index).read_text())["weight_map"]
+        assert json.loads((ours / index).read_text())["weight_map"] == theirs_map
+
+
+@pytest.mark.parametrize("max_shard_size", ["100KB", "5GB"])
+def test_legacy_names_are_written_back_as_transformers_writes_them_and_streamed(
+    tmp_path, monkeypatch, max_shard_size
+):
+    """Renames alone need no whole dict: the weights stream (no whole-model collect)."""
+    from ds_engine import weights
+
+    model = _legacy_bert(tmp_path / "legacy")
+    model.save_pretrained(tmp_path / "theirs", max_shard_size=max_shard_size)
+
+    def no_whole_dict(*args, **kwargs):
+        raise AssertionError("renames alone took the whole-dict path")
+
+    monkeypatch.setattr(weights, "_collect", no_whole_dict)
+    save_pretrained(model, tmp_path / "ours", max_shard_size=max_shard_size)
+    _same_weight_files(tmp_path / "ours", tmp_path / "theirs")
+    names = set(read_weights(tmp_path / "ours"))
+    assert "bert.embeddings.LayerNorm.gamma" in names and "bert.embeddings.LayerNorm.weight" not in names
+
+
+def test_fused_experts_are_split_back_as_transformers_splits_them(tmp_path):
+    """Mixtral's experts are fused on load and split on save: a converter, whole dict."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from ds_engine.weights import WeightGather, _saved_names, plan
+
+    torch.manual_seed(4)
+    config = MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = MixtralForCausalLM(config)
+    assert _saved_names(model, plan(model, WeightGather(), dtype=None, exclude_frozen=False)) is None
+    model.save_pretrained(tmp_path / "theirs", max_shard_size="20KB")
+    save_pretrained(model, tmp_path / "ours", max_shard_size="20KB")
+    _same_weight_files(tmp_path / "ours", tmp_path / "theirs")
 
 
 def test_save_pretrained_minilm_with_tokenizer(tmp_path):

@@ -130,6 +130,7 @@ def main() -> None:
         result["offline_rss_rise"] = _status("VmHWM") - base
         result["largest_tensor"] = max(int(p.ds_numel) * 4 for p in module.parameters())
     odd_sizes(out)
+    result.update(converted(out))
     write_result(args.out, result)
     engine.end_training()
 
@@ -152,6 +153,86 @@ def odd_sizes(out: Path) -> None:
             assert state is not None
             torch.save(state, out / f"odd_{precision}.pt")
         del state, model, optimizer
+
+
+def _counting_collect() -> list[int]:
+    """Count calls of `weights._collect`, the whole-dict gather (streaming never calls it)."""
+    from ds_engine import weights
+
+    calls = [0]
+    original = weights._collect
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    weights._collect = counted
+    return calls
+
+
+def converted(out: Path) -> dict:
+    """Models whose names transformers converts back on save, saved through ds_engine (ZeRO-3) and
+    through transformers' own `save_pretrained` (rank 0, unsharded copy), with the same
+    max_shard_size:
+
+    * a BERT loaded from a checkpoint with legacy names (`LayerNorm.gamma`/`beta`, as old BERT
+      checkpoints have): renames only, so streamed (whole-dict gathers counted);
+    * a tiny Mixtral built from its config: transformers fuses its experts on load and splits
+      them on save (`WeightConverter`), which needs the whole dict.
+    """
+    import safetensors.torch
+    from transformers import BertConfig, BertForMaskedLM, MixtralConfig, MixtralForCausalLM
+
+    from ds_engine import Engine
+
+    calls = _counting_collect()
+    result = {}
+    legacy = out / "legacy_src"
+    if rank() == 0:
+        torch.manual_seed(3)
+        config = BertConfig(
+            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+        )
+        BertForMaskedLM(config).save_pretrained(legacy)
+        path = legacy / "model.safetensors"
+        tensors = safetensors.torch.load_file(path)
+        renamed = {
+            k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+            for k, v in tensors.items()
+        }
+        assert renamed != tensors
+        safetensors.torch.save_file(renamed, path, metadata={"format": "pt"})
+        BertForMaskedLM.from_pretrained(legacy).save_pretrained(out / "legacy_hf", max_shard_size="100KB")
+    torch.distributed.barrier()
+    engine = Engine(zero_stage=3, precision="fp32", micro_batch_size=1)
+    with engine.init_context():
+        model = BertForMaskedLM.from_pretrained(legacy)
+    model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = calls[0]
+    engine.save_pretrained(model, out / "legacy_streamed", max_shard_size="100KB")
+    result["legacy_collect_calls"] = calls[0] - before
+    del model
+
+    engine = Engine(zero_stage=3, precision="fp32", micro_batch_size=1)
+    config = MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    with engine.init_context():
+        model = MixtralForCausalLM(config)
+    model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = calls[0]
+    engine.save_pretrained(model, out / "moe_engine", max_shard_size="100KB")
+    result["moe_collect_calls"] = calls[0] - before
+    state = engine.get_state_dict(model)
+    if rank() == 0:
+        assert state is not None
+        plain = MixtralForCausalLM(config)
+        plain.load_state_dict(state)
+        plain.save_pretrained(out / "moe_hf", max_shard_size="100KB")
+    torch.distributed.barrier()
+    return result
 
 
 if __name__ == "__main__":
