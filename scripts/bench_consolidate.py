@@ -21,12 +21,13 @@ misses its target is marked `MISS`):
   largest shard file written, plus the largest submodule's own 16-bit parameters); target
   rise <= bound;
 * write speed: the write itself, `save_pretrained(state_dict=...)` of the gathered 16-bit dict
-  already in rank 0's memory (safetensors + fsync + rename, config.json), vs a plain write from
-  memory of files of the same sizes (one per shard) + fsync each, into the same folder, in the
-  same run, interleaved; target >= 0.8x. Beside it, the whole `save_pretrained` (gather +
-  write) against the gather alone plus the write alone: the gather overlaps the write when the
-  whole takes less than the sum (it cannot take less than the larger of the two). Every timed
-  write starts after `os.sync()`, so no run pays for the previous one's dirty pages;
+  already in rank 0's memory (safetensors + fsync + rename, config.json), vs a plain write of
+  the same tensors' bytes from the same memory, a file per shard (one `write` per tensor) +
+  fsync each, into the same folder, in the same run, interleaved; target >= 0.8x. Beside it,
+  the whole `save_pretrained` (gather + write) against the gather alone plus the write alone:
+  the gather overlaps the write when the whole takes less than the sum (it cannot take less
+  than the larger of the two). Every timed write starts after `os.sync()`, so no run pays for
+  the previous one's dirty pages;
 * offline consolidation of the same model's ZeRO-3 checkpoint (`engine.save_checkpoint` after
   one optimizer step on zero gradients, lr 0, so it holds fp32 masters + Adam states: about 3
   fp32 copies on disk, printed): `ds_engine.consolidate.
@@ -86,6 +87,7 @@ from _bench_consolidate_offline import (
     rss_bytes,
     status_bytes,
 )
+from safetensors import safe_open
 
 HELPER = Path(__file__).with_name("_bench_consolidate_offline.py")
 MB = 1e6
@@ -158,13 +160,27 @@ def settle() -> None:
     torch.distributed.barrier()
 
 
-def plain_write(folder: Path, sizes: list[int], payload: Any) -> float:
-    """Seconds to write files of `sizes` bytes from memory into `folder`, each fsynced."""
+def shard_layout(folder: Path) -> list[list[str]]:
+    """The keys of each safetensors file `save_pretrained` wrote into `folder`, file by file."""
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return [list(f.keys())]
+    files: dict[str, list[str]] = {}
+    for key, name in json.loads(index.read_text())["weight_map"].items():
+        files.setdefault(name, []).append(key)
+    return [files[name] for name in sorted(files)]
+
+
+def plain_write(folder: Path, layout: list[list[str]], state: dict[str, torch.Tensor]) -> float:
+    """Seconds to write the same tensors' bytes from memory into `folder`, a file per shard (one
+    write per tensor, as the tensors lie in memory), each file fsynced."""
     folder.mkdir(parents=True)
     start = time.perf_counter()
-    for i, size in enumerate(sizes):
+    for i, keys in enumerate(layout):
         with open(folder / f"plain{i}.bin", "wb") as f:
-            f.write(memoryview(payload)[:size])
+            for key in keys:
+                f.write(state[key].contiguous().view(torch.uint8).reshape(-1).numpy().data)
             f.flush()
             os.fsync(f.fileno())
     return time.perf_counter() - start
@@ -360,6 +376,7 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
     m_theirs: list[int] = []
     m_save: list[int] = []
     shards: list[int] = []
+    layout: list[list[str]] = []
     pin_malloc_to_mmap()
     for i in range(args.memory_repeats):
         m_ours.append(measure(ours)[1])
@@ -367,6 +384,7 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
         m_save.append(measure(save(f"mem{i}"))[1])
         if rank == 0:
             shards = shard_sizes(folder / f"mem{i}")
+            layout = shard_layout(folder / f"mem{i}")
         cleanup(f"mem{i}")
     # ... then times (same allocator setting: switching it at run time leaves freed blocks resident)
     t_ours: list[float] = []
@@ -374,7 +392,6 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
     t_save: list[float] = []
     t_write: list[float] = []
     t_plain: list[float] = []
-    payload = torch.full((max(shards, default=0),), 7, dtype=torch.uint8).numpy() if rank == 0 else None
     for _ in range(args.repeats):
         t_ours.append(measure(ours)[0])
         t_theirs.append(measure(theirs)[0])
@@ -387,10 +404,10 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
         t_write.append(measure(write_given(f"given{i}", state))[0])
         cleanup(f"given{i}")
         settle()
-        if rank == 0:
-            t_plain.append(plain_write(folder / f"plain{i}", shards, payload))
+        if state is not None:  # rank 0
+            t_plain.append(plain_write(folder / f"plain{i}", layout, state))
         cleanup(f"plain{i}")
-    del payload, state
+    del state
 
     # a real ZeRO-3 checkpoint: fp32 masters + Adam states
     create_optimizer_states(engine)

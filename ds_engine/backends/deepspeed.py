@@ -461,10 +461,13 @@ class DeepSpeedBackend(Backend):
 
 
 def _local_grad_norm(module: torch.nn.Module) -> float:
-    grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+    """The 2-norm of every gradient of `module` (fp32 ZeRO-0: all-reduced, so the global norm)."""
+    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+    # one fused kernel per dtype/device group, as torch.nn.utils.clip_grad_norm_ does
+    norms = torch._foreach_norm(grads, 2.0)
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).item())
 
 
 @contextlib.contextmanager
