@@ -41,6 +41,18 @@ def write_result(out: str, result: dict[str, Any]) -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+        return
+    # The worker ended its process group already (e.g. to test `end_training`): wait on the
+    # other ranks' files instead. A rank that fails never writes one, and torchrun then stops
+    # this rank; the deadline only bounds a hang.
+    import time
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + 600
+    while not all((Path(out) / f"rank{r}.json").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
 
 def probe_exit(out: str) -> None:
