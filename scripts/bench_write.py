@@ -14,7 +14,8 @@ dirty pages:
   tensor on the writer thread, each fsynced, config.json, generation_config.json, the index,
   the directory fsynced, the rename;
 * plain: the same tensors' bytes from the same memory, a file per shard (same grouping), one
-  `write` per tensor, each file fsynced.
+  `write` per tensor, each file fsynced (`bench_consolidate.plain_write`, the baseline that
+  benchmark uses too).
 
 It prints the median and best time of each, the median over the pairs of (plain / ours) with
 its range, and the target (>= 0.8). A last row prices the save's fixed cost: a tiny model
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_consolidate import plain_write, shard_layout
 
 
 def gpt2_state(layers: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -51,32 +53,6 @@ def gpt2_state(layers: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     )
     model = GPT2LMHeadModel(config).to(torch.bfloat16)
     return model, {k: v.contiguous() for k, v in model.state_dict().items()}
-
-
-def shard_groups(folder: Path, state: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The tensors of each shard `save_pretrained` wrote into `folder`, file by file."""
-    import json
-
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if not index.exists():
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            return [[state[k] for k in f.keys()]]  # noqa: SIM118 (a safetensors handle, not a dict)
-    files: dict[str, list[torch.Tensor]] = {}
-    for key, name in json.loads(index.read_text())["weight_map"].items():
-        files.setdefault(name, []).append(state[key])
-    return [files[name] for name in sorted(files)]
-
-
-def plain_write(folder: Path, groups: list[list[torch.Tensor]]) -> None:
-    folder.mkdir(parents=True)
-    for i, tensors in enumerate(groups):
-        with open(folder / f"plain{i}.bin", "wb") as f:
-            for tensor in tensors:
-                f.write(tensor.view(torch.uint8).reshape(-1).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -132,9 +108,9 @@ def main() -> None:
 
     def measure(label: str, model: torch.nn.Module, state: dict[str, torch.Tensor], limit: int) -> None:
         save_pretrained(model, out / "warm", state_dict=state, max_shard_size=limit)
-        groups = shard_groups(out / "warm", state)
+        layout = shard_layout(out / "warm")
         shutil.rmtree(out / "warm")
-        nbytes = sum(t.numel() * t.element_size() for g in groups for t in g)
+        nbytes = sum(state[k].numel() * state[k].element_size() for keys in layout for k in keys)
 
         def clean(i: int) -> None:
             shutil.rmtree(out / f"ours{i}")
@@ -142,11 +118,11 @@ def main() -> None:
 
         t_ours, t_plain = pairs(
             lambda i: save_pretrained(model, out / f"ours{i}", state_dict=state, max_shard_size=limit),
-            lambda i: plain_write(out / f"plain{i}", groups),
+            lambda i: plain_write(out / f"plain{i}", layout, state),
             args.pairs,
             clean,
         )
-        print(row(f"{label}, {len(groups)} shards", t_ours, t_plain, nbytes), flush=True)
+        print(row(f"{label}, {len(layout)} shards", t_ours, t_plain, nbytes), flush=True)
 
     for layers in (int(n) for n in args.layers.split(",")):
         model, state = gpt2_state(layers)

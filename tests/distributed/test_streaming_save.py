@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.converted_models import assert_same_weight_files
 from tests.distributed.launcher import run_workers
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
@@ -99,23 +100,12 @@ def test_a_padded_partition_streams_exactly(launched, precision):
     assert set(seen) == set(state) and seen["0.weight"].numel() == 1001 * 1001
 
 
-def _same_folder(ours, theirs):
-    """The same weight files, byte for byte, and the same weight map."""
-    files = sorted(p.name for p in theirs.glob("*.safetensors"))
-    assert files and sorted(p.name for p in ours.glob("*.safetensors")) == files
-    for name in files:
-        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
-    if len(files) > 1:
-        weight_map = json.loads((theirs / "model.safetensors.index.json").read_text())["weight_map"]
-        assert json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"] == weight_map
-
-
 def test_legacy_names_are_reverted_and_streamed(launched):
     """A BERT loaded from `LayerNorm.gamma`/`beta` names is saved under those names, as
     transformers saves it, without gathering the whole model."""
     out, result = launched
     assert result["legacy_collect_calls"] == 0
-    _same_folder(out / "legacy_streamed", out / "legacy_hf")
+    assert_same_weight_files(out / "legacy_streamed", out / "legacy_hf")
     keys = set()
     for path in (out / "legacy_streamed").glob("*.safetensors"):
         keys |= set(safetensors.torch.load_file(path))
@@ -126,4 +116,4 @@ def test_fused_experts_are_split_back_as_transformers_does(launched):
     """Mixtral's experts are fused on load and split on save (a converter: whole dict)."""
     out, result = launched
     assert result["moe_collect_calls"] == 1
-    _same_folder(out / "moe_engine", out / "moe_hf")
+    assert_same_weight_files(out / "moe_engine", out / "moe_hf")

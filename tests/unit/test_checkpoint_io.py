@@ -16,6 +16,7 @@ from ds_engine import _safetensors
 from ds_engine.cli import main as cli_main
 from ds_engine.consolidate import consolidate_checkpoint
 from ds_engine.weights import consolidated_state_dict, save_pretrained
+from tests.converted_models import assert_same_weight_files, tiny_mixtral_config, write_legacy_bert
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -175,44 +176,16 @@ def test_shards_split_as_huggingface_hub_splits(sizes, max_bytes):
     assert [[e.key for e in s.entries] for s in ours] == list(hub.filename_to_tensors.values())
 
 
-def _legacy_bert(folder: Path):
-    """A tiny BERT saved with the legacy names old checkpoints have (`LayerNorm.gamma`/`beta`)."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(3)
-    config = BertConfig(
-        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
-    )
-    BertForMaskedLM(config).save_pretrained(folder)
-    tensors = safetensors.torch.load_file(folder / "model.safetensors")
-    legacy = {
-        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-        for k, v in tensors.items()
-    }
-    assert legacy != tensors
-    safetensors.torch.save_file(legacy, folder / "model.safetensors", metadata={"format": "pt"})
-    return BertForMaskedLM.from_pretrained(folder)
-
-
-def _same_weight_files(ours: Path, theirs: Path) -> None:
-    files = sorted(p.name for p in theirs.glob("*.safetensors"))
-    assert files and sorted(p.name for p in ours.glob("*.safetensors")) == files
-    for name in files:
-        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
-    if len(files) > 1:
-        index = "model.safetensors.index.json"
-        theirs_map = json.loads((theirs / index).read_text())["weight_map"]
-        assert json.loads((ours / index).read_text())["weight_map"] == theirs_map
-
-
 @pytest.mark.parametrize("max_shard_size", ["100KB", "5GB"])
 def test_legacy_names_are_written_back_as_transformers_writes_them_and_streamed(
     tmp_path, monkeypatch, max_shard_size
 ):
     """Renames alone need no whole dict: the weights stream (no whole-model collect)."""
+    from transformers import BertForMaskedLM
+
     from ds_engine import weights
 
-    model = _legacy_bert(tmp_path / "legacy")
+    model = BertForMaskedLM.from_pretrained(write_legacy_bert(tmp_path / "legacy"))
     model.save_pretrained(tmp_path / "theirs", max_shard_size=max_shard_size)
 
     def no_whole_dict(*args, **kwargs):
@@ -220,27 +193,23 @@ def test_legacy_names_are_written_back_as_transformers_writes_them_and_streamed(
 
     monkeypatch.setattr(weights, "_collect", no_whole_dict)
     save_pretrained(model, tmp_path / "ours", max_shard_size=max_shard_size)
-    _same_weight_files(tmp_path / "ours", tmp_path / "theirs")
+    assert_same_weight_files(tmp_path / "ours", tmp_path / "theirs")
     names = set(read_weights(tmp_path / "ours"))
     assert "bert.embeddings.LayerNorm.gamma" in names and "bert.embeddings.LayerNorm.weight" not in names
 
 
 def test_fused_experts_are_split_back_as_transformers_splits_them(tmp_path):
     """Mixtral's experts are fused on load and split on save: a converter, whole dict."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     from ds_engine.weights import WeightGather, _saved_names, plan
 
     torch.manual_seed(4)
-    config = MixtralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = MixtralForCausalLM(config)
+    model = MixtralForCausalLM(tiny_mixtral_config())
     assert _saved_names(model, plan(model, WeightGather(), dtype=None, exclude_frozen=False)) is None
     model.save_pretrained(tmp_path / "theirs", max_shard_size="20KB")
     save_pretrained(model, tmp_path / "ours", max_shard_size="20KB")
-    _same_weight_files(tmp_path / "ours", tmp_path / "theirs")
+    assert_same_weight_files(tmp_path / "ours", tmp_path / "theirs")
 
 
 def test_save_pretrained_minilm_with_tokenizer(tmp_path):

@@ -180,28 +180,16 @@ def converted(out: Path) -> dict:
     * a tiny Mixtral built from its config: transformers fuses its experts on load and splits
       them on save (`WeightConverter`), which needs the whole dict.
     """
-    import safetensors.torch
-    from transformers import BertConfig, BertForMaskedLM, MixtralConfig, MixtralForCausalLM
+    from transformers import BertForMaskedLM, MixtralForCausalLM
 
     from ds_engine import Engine
+    from tests.converted_models import tiny_mixtral_config, write_legacy_bert
 
     calls = _counting_collect()
     result = {}
     legacy = out / "legacy_src"
     if rank() == 0:
-        torch.manual_seed(3)
-        config = BertConfig(
-            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
-        )
-        BertForMaskedLM(config).save_pretrained(legacy)
-        path = legacy / "model.safetensors"
-        tensors = safetensors.torch.load_file(path)
-        renamed = {
-            k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-            for k, v in tensors.items()
-        }
-        assert renamed != tensors
-        safetensors.torch.save_file(renamed, path, metadata={"format": "pt"})
+        write_legacy_bert(legacy)
         BertForMaskedLM.from_pretrained(legacy).save_pretrained(out / "legacy_hf", max_shard_size="100KB")
     torch.distributed.barrier()
     engine = Engine(zero_stage=3, precision="fp32", micro_batch_size=1)
@@ -214,10 +202,7 @@ def converted(out: Path) -> dict:
     del model
 
     engine = Engine(zero_stage=3, precision="fp32", micro_batch_size=1)
-    config = MixtralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
+    config = tiny_mixtral_config()
     torch.manual_seed(4)
     with engine.init_context():
         model = MixtralForCausalLM(config)
