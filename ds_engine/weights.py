@@ -535,11 +535,10 @@ def _saved_names(module: nn.Module, entries: list[Entry]) -> list[Entry] | None:
         _any(module), {e.key: t for e, t in zip(entries, stand_ins, strict=True)}
     )
     renamed = [(key, owner.get(id(value))) for key, value in reverted.items()]
-    if len(renamed) != len(entries) or any(e is None for _, e in renamed):
-        return None
-    if len({id(e) for _, e in renamed}) != len(entries):
-        return None
-    return [replace(e, key=key) for key, e in renamed if e is not None]
+    named = [(key, e) for key, e in renamed if e is not None]
+    if not len(named) == len(renamed) == len(entries) == len({id(e) for _, e in named}):
+        return None  # a stand-in came back changed, under two keys, or two keys became one
+    return [replace(e, key=key) for key, e in named]
 
 
 # --------------------------------------------------------------------------- sharding
