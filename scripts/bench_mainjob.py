@@ -621,7 +621,7 @@ def launch_arm(
         raise RuntimeError(f"arm {arm}: no result from {missing}:\n{(proc.stdout or '')[-6000:]}")
     ranks = [json.loads(f.read_text()) for f in files]
     for r in ranks:
-        r["exit_code"] = proc.returncode  # a torch exit race can abort a finished rank (README)
+        r["exit_code"] = proc.returncode  # a torch exit race can abort a finished rank (docs/reliability.md)
     return ranks
 
 

@@ -67,7 +67,7 @@ from ds_engine import Engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    # The defaults are the main job's recipe (README "Set up and run" says why): >= 0.90 validation
+    # The defaults are the main job's recipe (docs/main_job.md says why): >= 0.90 validation
     # accuracy on the 600 held-out UCI sentences in about 1.5 minutes of training on 2 CPU cores.
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(p)

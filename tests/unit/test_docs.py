@@ -1,0 +1,71 @@
+"""The README and docs/ are a user's documents: what they show runs, what they link exists.
+
+* The README's quick-start script is, line for line, `scripts/examples/quickstart.py`, which
+  `tests/distributed/test_examples.py` launches on 2 ranks.
+* The README keeps exactly two set-up commands.
+* Every relative link in the README and docs/ names a file that exists.
+* Neither speaks of the project's own development (issue numbers, work sessions).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+QUICKSTART = ROOT / "scripts" / "examples" / "quickstart.py"
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def _without_docstring(source: str) -> str:
+    module = ast.parse(source)
+    first = module.body[0]
+    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), "no module docstring"
+    return "\n".join(source.splitlines()[first.end_lineno :]).strip() + "\n"
+
+
+def test_readme_quick_start_is_the_example_file() -> None:
+    python_blocks = _blocks(README.read_text(encoding="utf-8"), "python")
+    assert python_blocks, "the README has no python block"
+    assert python_blocks[0].strip() + "\n" == _without_docstring(QUICKSTART.read_text(encoding="utf-8")), (
+        "the README's quick start differs from scripts/examples/quickstart.py: copy one into the other"
+    )
+
+
+def test_readme_keeps_exactly_two_set_up_commands() -> None:
+    commands = [
+        line.split("#")[0].strip()
+        for block in _blocks(README.read_text(encoding="utf-8"), "bash")
+        for line in block.splitlines()
+        if line.startswith("bash scripts/")
+    ]
+    assert commands == ["bash scripts/main.sh", "bash scripts/test.sh"], commands
+    for command in commands:
+        assert (ROOT / command.split()[1]).is_file(), command
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_relative_links_resolve(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        if not (page.parent / target).exists():
+            missing.append(target)
+    assert not missing, f"{page.name} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_docs_speak_of_the_project_not_its_history(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    found = re.findall(r"\b(?:[Ii]ssues? \d+|[Tt]his session|DESIGN\.md)", text)
+    assert not found, f"{page.name} refers to the project's development: {found}"
