@@ -242,7 +242,7 @@ def raw_window(engine: Any, loader: Iterator[Any], ga: int, coalesce: bool, tick
 def engine_window(
     engine: Any, model: Any, optimizer: Any, loader: Iterator[Any], tick: Callable[[], None]
 ) -> list:
-    """One window of the ds_engine loop from DESIGN.md: `accumulate` / `backward` / `optimizer.step()`."""
+    """One window of the ds_engine training loop: `accumulate` / `backward` / `optimizer.step()`."""
     losses = []
     for _ in range(engine.gradient_accumulation_steps):
         tick()

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     engine.print(f"before training: validation accuracy {before['accuracy']:.3f} loss {before['loss']:.4f}")
 
-    # ---- the training loop (the shape of DESIGN.md)
+    # ---- the training loop (the shape every ds_engine loop has)
     progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="train", unit="step")
     window_loss, window_batches, samples = torch.zeros((), device=engine.device), 0, 0
     train_losses: list[float] = []

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log.write({"step": step, "eval_loss": before["loss"], "eval_perplexity": before["perplexity"]})
     engine.print(f"before training: validation perplexity {before['perplexity']:.1f}")
 
-    # ---- the training loop (the shape of DESIGN.md)
+    # ---- the training loop (the shape every ds_engine loop has)
     progress = tqdm(total=total_steps, initial=step, disable=not main_proc, desc="train", unit="step")
     window_loss, window_batches, samples = torch.zeros((), device=engine.device), 0, 0
     train_losses: list[float] = []

@@ -1,4 +1,4 @@
-"""Issue 18: an accelerate script runs under ds_engine with only its import line changed.
+"""Porting: an accelerate script runs under ds_engine with only its import line changed.
 
 Each example in `tests/accelerate_examples/` (written for accelerate, by this project) runs on 2
 CPU ranks (gloo) under plain accelerate, then with `from accelerate import` rewritten to

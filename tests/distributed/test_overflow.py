@@ -1,4 +1,4 @@
-"""Semantic 3: the scheduler advances exactly once per applied optimizer step.
+"""Overflow: the scheduler advances exactly once per applied optimizer step.
 
 Non-finite gradients are injected on rank 0 only (loss * inf) in optimizer windows 2 and 3
 of 8, so both ranks must agree to skip. fp16 runs the real DeepSpeed loss scaler (CPU fp16

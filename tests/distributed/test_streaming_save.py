@@ -1,4 +1,4 @@
-"""Streaming save (issue 17): a ~110M-parameter GPT-2 saved under ZeRO-3 on 2 CPU ranks.
+"""Streaming save: a ~110M-parameter GPT-2 saved under ZeRO-3 on 2 CPU ranks.
 
 Rank 0's peak memory rise during `save_pretrained` is measured (workers/streaming_save.py) and
 must stay within the largest shard plus the largest layer; the shards must be, byte for byte,

@@ -1,4 +1,4 @@
-"""Issue 18's core pieces in one process: hand-written accumulation at GA=1, `is_overflow`,
+"""The accelerate drop-in's core pieces in one process: hand-written accumulation at GA=1, `is_overflow`,
 `engine.save`, the prepared model's `save_pretrained`, and what a schedule's length is read from."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bad-input corpus: every mistake a user can make gets one clear error from ds_engine.
 
 Each case is a call with a wrong config, argument, file or command line. For every case the
-test checks what issue 8 asks of the error, the same way:
+test checks what the project asks of every error, the same way:
 
 * the exception is a ds_engine error or a plain ValueError / TypeError / ImportError /
   FileNotFoundError / RuntimeError raised by ds_engine's own code: the innermost traceback

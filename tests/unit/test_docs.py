@@ -69,3 +69,14 @@ def test_docs_speak_of_the_project_not_its_history(page: Path) -> None:
     text = page.read_text(encoding="utf-8")
     found = re.findall(r"\b(?:[Ii]ssues? \d+|[Tt]his session|DESIGN\.md)", text)
     assert not found, f"{page.name} refers to the project's development: {found}"
+
+
+def test_code_speaks_of_the_project_not_its_history() -> None:
+    pattern = re.compile(r"\b(?:[Ii]ssues? \d+|[Ss]emantic \d|[Tt]his session|DESIGN\.md)")
+    found = []
+    for folder in ("ds_engine", "tests", "scripts", "configs"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in {".py", ".sh", ".md", ".json", ".toml"} and path.name != "test_docs.py":
+                text = path.read_text(encoding="utf-8", errors="replace")
+                found += [f"{path.relative_to(ROOT)}: {m}" for m in pattern.findall(text)]
+    assert not found, found
