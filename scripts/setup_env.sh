@@ -26,6 +26,18 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 torch_spec=${DS_ENGINE_TORCH:-torch==2.13.0}
+# A warm rerun skips pip: the stamp records what the environment was built from (the project's
+# dependencies, the torch build, with or without DeepSpeed); the package is installed editable,
+# so source changes need no reinstall.
+stamp="$venv/.ds_engine_setup"
+want="$(cat pyproject.toml) | $torch_spec | ${DS_ENGINE_TORCH_INDEX:-} | deepspeed=$with_deepspeed"
+want_hash=$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_hash" ] \
+   && "$venv/bin/python" -c "import torch, ds_engine" 2>/dev/null; then
+  echo "[setup] $venv: up to date (delete $stamp to reinstall)"
+  exit 0
+fi
+rm -f "$stamp"
 index_args=()
 if [ -n "${DS_ENGINE_TORCH_INDEX:-}" ]; then index_args=(--index-url "$DS_ENGINE_TORCH_INDEX"); fi
 echo "[setup] $venv: installing $torch_spec"
@@ -41,3 +53,4 @@ else
   fi
 fi
 "$venv/bin/python" -c "import torch, ds_engine; print('[setup] ready:', '$venv', 'torch', torch.__version__, 'ds_engine', ds_engine.__version__)"
+echo "$want_hash" > "$stamp"

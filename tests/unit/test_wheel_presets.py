@@ -66,7 +66,7 @@ def _run(
 def test_wheel_ships_every_preset_and_loads_it_by_name(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, src / name)
     shutil.copytree(REPO / "ds_engine", src / "ds_engine", ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
@@ -83,6 +83,17 @@ def test_wheel_ships_every_preset_and_loads_it_by_name(tmp_path: Path) -> None:
     shipped = sorted(p.name for p in (site / "ds_engine" / "configs").glob("*.json"))
     assert shipped == sorted(f"{n}.json" for n in PRESETS)
     assert not (site / "configs").exists()  # the data lives inside the package, nowhere else
+    assert (site / "ds_engine" / "py.typed").is_file()  # type checkers read its annotations
+    (dist_info,) = site.glob("ds_engine-*.dist-info")
+    assert "Apache License" in "".join(p.read_text() for p in dist_info.rglob("LICENSE*"))
+    metadata = (dist_info / "METADATA").read_text()
+    assert "Classifier: Typing :: Typed" in metadata
+    core = [
+        line.split()[1].split(">")[0].split("=")[0].split("<")[0]
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
+    assert sorted(core) == ["accelerate", "numpy", "packaging", "safetensors", "torch", "transformers"], core
 
     outside = tmp_path / "elsewhere"  # run away from the source tree
     outside.mkdir()
