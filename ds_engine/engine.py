@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ds_engine._console import quiet_console
 from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
@@ -83,6 +84,7 @@ class Engine:
         backend: str = "auto",
         **choices: Any,
     ) -> None:
+        quiet_console()  # rank 0 speaks; before DeepSpeed is imported (see ds_engine._console)
         if config is None and os.environ.get(CONFIG_ENV):
             config = os.environ[CONFIG_ENV]
         # The one resolution of this run, before any process group: every problem we can see

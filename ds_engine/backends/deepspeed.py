@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_engine._console import quiet_unless_main
 from ds_engine._imports import require_deepspeed
 from ds_engine.adapters import tuner_layers_outside_zero_init
 from ds_engine.backends.base import (
@@ -80,11 +81,12 @@ class DeepSpeedBackend(Backend):
         if dist.is_initialized():
             return
         _ensure_launch_env()
-        deepspeed.init_distributed(
-            dist_backend=get_accelerator().communication_backend_name(),
-            timeout=timedelta(seconds=self.effective.dist_timeout_s),
-            verbose=False,
-        )
+        with quiet_unless_main():  # DeepSpeed prints a line per rank when it loads its comm op
+            deepspeed.init_distributed(
+                dist_backend=get_accelerator().communication_backend_name(),
+                timeout=timedelta(seconds=self.effective.dist_timeout_s),
+                verbose=False,
+            )
         destroy_process_group_at_exit()
 
     def destroy_process_group(self) -> None:

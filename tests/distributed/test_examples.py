@@ -1,8 +1,8 @@
 """The runnable examples run as a user launches them: `ds-engine launch`, 2 CPU processes.
 
 The README's quick start (`scripts/examples/quickstart.py`, the same lines) trains its six
-optimizer steps with the LR ending at 0, and the folder it saves reloads with plain
-`from_pretrained` in a process without DeepSpeed's state.
+optimizer steps with the LR ending at 0, prints at most 25 lines (rank 0 speaks), and the
+folder it saves reloads with plain `from_pretrained` in a process without DeepSpeed's state.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def test_quickstart_trains_saves_and_reloads(tmp_path: Path) -> None:
     steps = re.findall(r"^step (\d+): loss ([\d.]+), lr ([\d.e+-]+)$", result.stdout, flags=re.M)
     assert [int(s) for s, _, _ in steps] == [1, 2, 3, 4, 5, 6], result.stdout[-4000:]  # rank 0 prints
     assert float(steps[-1][2]) == 0.0, steps  # the schedule ends where its author sized it
+    # a quiet console: rank 0 speaks, no deprecation warnings from DeepSpeed's collectives,
+    # start-up chatter at most once
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 25, f"{len(lines)} console lines:\n" + result.stdout
+    assert not [line for line in lines if "Warning" in line and "deprecated" in line], result.stdout
+    assert sum("Setting accelerator to CPU" in line for line in lines) <= 1, result.stdout
+    assert sum("LOAD REPORT" in line for line in lines) <= 1, result.stdout
 
     from transformers import AutoModelForSequenceClassification
 
