@@ -52,5 +52,18 @@ else
     "${pip[@]}" uninstall -q -y deepspeed
   fi
 fi
+if [ "$with_deepspeed" = 1 ]; then
+  # DeepSpeed compiles its CPU communication op at the first launch (cached under
+  # ~/.cache/torch_extensions): build it now, so the first run's first step comes sooner.
+  echo "[setup] $venv: building DeepSpeed's CPU ops that a launch needs (once; cached)"
+  "$venv/bin/python" - <<'PY' > "$venv/.ds_engine_ops.log" 2>&1 || echo "[setup] op pre-build skipped: see $venv/.ds_engine_ops.log"
+from deepspeed.accelerator import get_accelerator
+
+if get_accelerator().device_name() == "cpu":
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and builder.is_compatible():
+        builder.load()
+PY
+fi
 "$venv/bin/python" -c "import torch, ds_engine; print('[setup] ready:', '$venv', 'torch', torch.__version__, 'ds_engine', ds_engine.__version__)"
 echo "$want_hash" > "$stamp"
