@@ -6,10 +6,12 @@ The bottom of the package: imports nothing from ds_engine, so any module may use
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-__all__ = ["AUTO", "parse_size", "words"]
+__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_size", "words"]
 
 #: DeepSpeed's word for "fill this value in from the facts" (and ds_engine's, for the same).
 AUTO = "auto"
@@ -29,6 +31,9 @@ def _is_number(v: Any) -> TypeGuard[int | float]:
     """True for a finite int or float that is not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+
+#: The largest size `parse_size` accepts (1 EiB): anything above is a typo, not a machine.
+MAX_SIZE = 2**60
 
 #: Byte units, case-insensitive: decimal (KB = 1000, and the short K/M/G/T) and binary (KiB = 1024).
 _SIZE_UNITS = {
@@ -82,4 +87,49 @@ def parse_size(size: int | str, *, name: str | None = None) -> int:
         value = float(match.group(1)) * _SIZE_UNITS[unit]
     if not math.isfinite(value) or round(value) <= 0:
         raise ValueError(f"{shown} must be positive; allowed: {_ALLOWED}. {hint}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{shown} is more than 1 EiB (2**60 bytes), the largest size accepted. {hint}")
     return round(value)
+
+
+def no_duplicate_keys(where: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A `json.load(s)` `object_pairs_hook` that refuses a key written twice in one object.
+
+    Plain `json` keeps the last of two equal keys without a word, so a config holding two
+    `zero_optimization` blocks would silently drop the first. `where` (the file) is named in
+    the ValueError together with the key.
+    """
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(
+                    f"{where} writes the key {key!r} twice in one JSON object (JSON readers keep only the "
+                    f"last one). HINT: merge the two {key!r} entries into one"
+                )
+            out[key] = value
+        return out
+
+    return hook
+
+
+def env_int(name: str, default: int, *, minimum: int = 0, environ: Mapping[str, str] | None = None) -> int:
+    """The integer environment variable `name` (`default` when unset or empty), at least `minimum`.
+
+    Raises:
+        ValueError: the variable holds something else; the message names it and its value.
+    """
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(
+            f"environment variable {name}={text!r} is not an integer >= {minimum}. HINT: unset {name}, or "
+            f"start the script with `ds-engine launch` / torchrun, which set {name} for every process"
+        )
+    return value

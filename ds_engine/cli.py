@@ -9,12 +9,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
 
 class CLIError(Exception):
     """A user error the CLI reports in one line with exit status 2."""
+
+
+def _in_flag_terms(message: str, flags: dict[str, str]) -> str:
+    """`message` with the Python keyword names in `flags` written as the CLI flags that set them.
+
+    Library errors name keywords (`zero_stage`, `HINT: pass nvme_path=...`); on the command line
+    the user typed `--zero-stage` / `--nvme-path`. Backticked names and `name=` become the flag,
+    and so do bare names with an underscore (plain words such as "optimizer" stay as they are).
+    """
+    for name, flag in sorted(flags.items(), key=lambda item: -len(item[0])):
+        message = re.sub(rf"`{re.escape(name)}`", f"`{flag}`", message)
+        message = re.sub(rf"(?<![\w.`-]){re.escape(name)}=", f"{flag} ", message)
+        if "_" in name:
+            message = re.sub(rf"(?<![\w.`-]){re.escape(name)}(?![\w`])", flag, message)
+    return message
 
 
 # --------------------------------------------------------------------------- config
@@ -97,21 +113,71 @@ def _run_config(args: argparse.Namespace) -> int:
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="ZeRO-aware memory estimate for every stage/offload choice")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="local HF model folder or config JSON (counted on the meta device)")
+    what.add_argument(
+        "--model",
+        help="local HF model folder or its config.json: the model is built on the meta device (no memory, "
+        "no download) from transformers' own classes only, to count its parameters",
+    )
     what.add_argument("--params", help="parameter count, e.g. 1.3e9 or 7B")
-    p.add_argument("--largest-layer", help="parameters of the largest layer (default: derived, or --params)")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="accelerators per node (default 1)")
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, lion, adagrad, sgd_momentum or sgd")
-    p.add_argument("--budget", help="memory of one accelerator, e.g. 80GB or 79GiB: marks the recommendation")
-    p.add_argument("--host-budget", help="host memory of one node, e.g. 512GB")
-    p.add_argument("--headroom", type=float, default=0.2, help="fraction kept free on top (default 0.2)")
-    p.add_argument("--no-zero-init", action="store_true", help="ZeRO-3 model not built under zero.Init")
+    p.add_argument(
+        "--largest-layer",
+        help="parameters of the largest single layer (the one ZeRO-3 gathers); default: counted from "
+        "--model, or estimated from --params for a usual transformer (128k vocabulary)",
+    )
+    p.add_argument(
+        "--gpus-per-node", type=int, default=1, help="accelerators per node (default: %(default)s)"
+    )
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default: %(default)s)")
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp16", "fp32"],
+        help="training precision (default: %(default)s)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adam", "lion", "adagrad", "sgd_momentum", "sgd"],
+        help="sizes the optimizer state (default: %(default)s)",
+    )
+    p.add_argument(
+        "--budget",
+        help="memory of one accelerator, e.g. 80GB or 79GiB: adds a `fits` column and recommends the "
+        "cheapest choice that fits (least offload, then lowest ZeRO stage); default: none",
+    )
+    p.add_argument(
+        "--host-budget", help="host memory of one node, e.g. 512GB (needs --budget); default: unchecked"
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.2,
+        help="fraction kept free on top of the estimate (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-zero-init",
+        action="store_true",
+        help="the ZeRO-3 model is not built under zero.Init (the host holds it whole while loading)",
+    )
     p.set_defaults(func=_run_estimate)
 
 
+#: memory.py keyword -> the `estimate` flag that sets it (for error messages).
+_ESTIMATE_FLAGS = {
+    "model_or_num_params": "--params",
+    "largest_layer_params": "--largest-layer",
+    "num_gpus_per_node": "--gpus-per-node",
+    "num_nodes": "--nodes",
+    "accelerator_memory_bytes": "--budget",
+    "host_memory_bytes": "--host-budget",
+    "headroom": "--headroom",
+    "precision": "--precision",
+    "optimizer": "--optimizer",
+}
+
+
 def _run_estimate(args: argparse.Namespace) -> int:
+    import math
     from collections.abc import Callable
     from typing import Any
 
@@ -126,6 +192,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CLIError(f"`{flag}` {exc}") from None
 
+    if not math.isfinite(args.headroom) or not 0 <= args.headroom < 10:
+        raise CLIError(
+            f"`--headroom` {args.headroom!r} is not a fraction from 0 to 10. HINT: e.g. --headroom 0.2 (20 %)"
+        )
     if args.host_budget is not None and args.budget is None:
         raise CLIError(
             f"`--host-budget` {args.host_budget!r} needs `--budget` (the accelerator memory) to recommend. "
@@ -145,7 +215,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         zero_init=not args.no_zero_init,
     )
-    candidates = memory.estimate_all(model, **common)
+    try:
+        candidates = memory.estimate_all(model, **common)
+    except ValueError as exc:
+        raise CLIError(_in_flag_terms(str(exc), _ESTIMATE_FLAGS)) from None
     chosen, failure, rec = None, None, None
     if budget is not None:
         try:
@@ -158,7 +231,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             )
             chosen = (rec.zero_stage, rec.offload_optimizer, rec.offload_params)
         except ValueError as exc:
-            failure = str(exc)
+            failure = _in_flag_terms(str(exc), _ESTIMATE_FLAGS)
     first = candidates[0]
     print(
         f"model: {memory.format_count(first.num_params)} params, largest layer "
@@ -168,7 +241,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     print("model states only (params, grads, optimizer); GB = 1e9 bytes; host = per node")
     if args.params is not None and largest is None:
         print(
-            "largest layer unknown: taken as the whole model (upper bound for ZeRO-3); pass --largest-layer"
+            "largest layer not given: estimated from the count for a usual transformer "
+            "(128k-token embedding); pass --largest-layer for your model's"
         )
     header = f"  {'choice':<34} {'per accelerator':>16} {'per host':>12}"
     if budget is not None:

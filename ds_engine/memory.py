@@ -9,7 +9,8 @@ them (`recommend_config` does).
 Formulas
 ========
 P = number of parameters, L = parameters of the largest single module (its direct
-parameters: the layer ZeRO-3 gathers at once), N = num_gpus_per_node * num_nodes,
+parameters: the layer ZeRO-3 gathers at once; from a bare count it is estimated by
+`estimate_largest_layer`), N = num_gpus_per_node * num_nodes,
 G = num_gpus_per_node, K = optimizer state bytes per parameter (Adam/AdamW 8: two fp32
 moments; Lion, Adagrad and SGD with momentum 4; plain SGD 0). T = trainable parameters
 (`requires_grad`): all of P unless given, or read from a model with frozen parameters (LoRA /
@@ -88,7 +89,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args
 
-from ds_engine._values import parse_size
+from ds_engine._values import parse_size, words
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,13 @@ CHOICES: tuple[tuple[int, OffloadDevice, OffloadDevice], ...] = (
     (2, "cpu", "none"),
     (3, "cpu", "none"),
     (3, "cpu", "cpu"),
+)
+
+#: What "cheapest" means in `recommend_config` (said in its reason).
+CHEAPEST = (
+    "Cheapest means the fastest step expected, not the least memory: least offload first (offload "
+    "moves optimizer work to the CPU and slows every step), then the lowest ZeRO stage (each stage up "
+    "adds communication)."
 )
 
 ModelLike = Union[int, "torch.nn.Module", Any, str, os.PathLike]
@@ -247,31 +255,274 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     return sum(unique.values()), largest
 
 
-def _model_from_config(config: Any) -> torch.nn.Module:
-    """Build the model a config describes on the meta device (no memory, no download)."""
-    import torch
+#: Bounds on the work of counting a model from its config (a config is untrusted input).
+MAX_CONFIG_BYTES = 4 * 2**20
+"""Largest config JSON read (bytes); real configs are a few KB (a large label map: a few hundred)."""
+MAX_LAYERS = 1024
+"""Largest layer or expert count a config may ask for (real models: at most a few hundred)."""
+MAX_MODULES = 100_000
+"""Most modules built on the meta device while counting (about 10 s of work on one core)."""
+MAX_COUNTED_PARAMS = 10**15
+"""Largest parameter count accepted, counted or given."""
+MAX_REAL_BYTES = 256 * 2**20
+"""Most bytes a model's constructor may allocate off the meta device while it is counted."""
+
+#: Config keys that multiply the modules built (layers, experts), checked before anything is built.
+_REPEAT_KEYS = words(
+    "num_hidden_layers n_layer n_layers num_layers encoder_layers decoder_layers num_encoder_layers "
+    "num_decoder_layers num_local_experts num_experts n_routed_experts moe_num_experts "
+    "num_attention_heads n_head num_key_value_heads"
+)
+_TOO_BIG_HINT = "HINT: pass the parameter count instead (`--params` / an int), e.g. 7B"
+
+
+class _BudgetExceeded(Exception):
+    """Building the model went past one of the bounds above (raised from a registration hook)."""
+
+
+#: Shapes `estimate_largest_layer` assumes: a 128k-token vocabulary (Llama 3's 128,256; Gemma's
+#: 256k is larger, GPT-2's 50k and Llama 2's 32k smaller), P ~ 12 * layers * hidden^2 and
+#: hidden ~ 128 * layers (Llama 2 7B/13B: 4096/32, 5120/40).
+ASSUMED_VOCAB = 128_000
+ASSUMED_HIDDEN_PER_LAYER = 128
+
+
+def estimate_largest_layer(num_params: int) -> int:
+    """Parameters of the largest single module of a usual decoder transformer with `num_params`.
+
+    Used when only a count is known. The hidden size h follows from P = 12 * L * h^2 with
+    h = 128 * L, so h = (128 * P / 12) ** (1/3); the largest module is then the larger of the
+    token embedding (`ASSUMED_VOCAB` x h) and an MLP matrix (4h x h), at most a third of the
+    model (small models' embeddings are a large share of them, never all of it). Examples:
+    7B -> h ~ 4200, 539M (the real Llama 2 7B: 131M, Llama 3 8B: 525M); 124M -> 41M (GPT-2: 39M).
+    """
+    hidden = (ASSUMED_HIDDEN_PER_LAYER * num_params / 12) ** (1 / 3)
+    largest = max(ASSUMED_VOCAB * hidden, 4 * hidden * hidden)
+    return max(1, min(round(largest), num_params // 3 or num_params))
+
+
+def _check_repeats(data: Any, where: str, depth: int = 0) -> None:
+    """Every layer/expert count in `data` (sub-configs included) is an int in 0..MAX_LAYERS."""
+    if depth > 8 or not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        if isinstance(value, dict):
+            _check_repeats(value, where, depth + 1)
+        elif key in _REPEAT_KEYS and value is not None and not _is_int_in(value, 0, MAX_LAYERS):
+            raise ValueError(
+                f"{where}: `{key}` = {value!r} is not a layer/expert count this estimate builds; "
+                f"allowed: an int from 0 to {MAX_LAYERS} (ds_engine.memory.MAX_LAYERS). {_TOO_BIG_HINT}"
+            )
+
+
+def _is_int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _model_classes(model_type: str) -> set[str]:
+    """The class names transformers' auto-model mappings list for `model_type` (no import)."""
+    from transformers.models.auto import modeling_auto
+
+    names: set[str] = set()
+    for attr in dir(modeling_auto):
+        mapping = getattr(modeling_auto, attr)
+        if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict):
+            value = mapping.get(model_type)
+            names.update([value] if isinstance(value, str) else value if isinstance(value, tuple) else [])
+    return names
+
+
+def _model_class(config: Any, where: str) -> Any:
+    """The model class `config.architectures` names: only a transformers model class for this config.
+
+    The name must be one transformers' auto-model mappings list for the config's `model_type`
+    and a subclass of `PreTrainedModel` whose `config_class` the config is; anything else
+    (another top-level transformers name, a custom-code class) is refused, never called.
+    None when `architectures` is empty (then the base model of the type is counted).
+    """
     import transformers
 
-    model_cls = None
-    for name in getattr(config, "architectures", None) or []:
-        model_cls = getattr(transformers, name, None)
-        if model_cls is not None:
-            break
-    with torch.device("meta"):
-        if model_cls is not None:
-            return model_cls(config)
-        return transformers.AutoModel.from_config(config)
+    names = getattr(config, "architectures", None) or []
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(
+            f"{where}: `architectures` = {names!r} is not a list of class names. "
+            'HINT: write e.g. "architectures": ["GPT2LMHeadModel"], or remove the key'
+        )
+    model_type = str(getattr(config, "model_type", ""))
+    known = _model_classes(model_type)
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) and name in known else None
+        config_class = getattr(cls, "config_class", None)
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, transformers.PreTrainedModel)
+            and isinstance(config_class, type)
+            and isinstance(config, config_class)
+        ):
+            return cls
+        allowed = ", ".join(sorted(known)[:8]) + (", ..." if len(known) > 8 else "")
+        raise ValueError(
+            f"{where}: `architectures` names {name!r}, which is not a transformers model class for "
+            f"model_type {model_type!r} (allowed: {allowed or 'none known'}); nothing else is built. "
+            "HINT: fix `architectures`, or remove it to count the base model"
+        )
+    return None
 
 
-def _load_config(path: Path) -> Any:
-    from transformers import AutoConfig
+def _model_from_config(config: Any, where: str = "the config") -> torch.nn.Module:
+    """Build the model a config describes on the meta device, with bounded work.
 
-    if path.is_dir() and not (path / "config.json").is_file():
+    Only transformers model classes are built (see `_model_class`), under `torch.device("meta")`
+    (no memory, no download), and registration hooks stop the build past `MAX_MODULES`
+    modules, `MAX_COUNTED_PARAMS` parameters or `MAX_REAL_BYTES` allocated off the meta device.
+    """
+    import torch
+    import transformers
+    from torch.nn.modules import module as nn_module
+
+    to_dict = getattr(config, "to_dict", None)
+    _check_repeats(to_dict() if callable(to_dict) else {}, where)
+    model_cls = _model_class(config, where)
+    counts = {"modules": 0, "params": 0, "real": 0}
+
+    def on_module(module: Any, name: str, sub: Any) -> None:
+        counts["modules"] += 1
+        if counts["modules"] > MAX_MODULES:
+            raise _BudgetExceeded(f"more than {MAX_MODULES} modules (ds_engine.memory.MAX_MODULES)")
+
+    def on_tensor(module: Any, name: str, tensor: Any) -> None:
+        if tensor is None:
+            return
+        counts["params"] += tensor.numel()
+        if tensor.device.type != "meta":
+            counts["real"] += tensor.numel() * tensor.element_size()
+        if counts["params"] > MAX_COUNTED_PARAMS:
+            raise _BudgetExceeded(f"more than {MAX_COUNTED_PARAMS:.0e} parameters")
+        if counts["real"] > MAX_REAL_BYTES:
+            raise _BudgetExceeded(
+                f"more than {MAX_REAL_BYTES} bytes allocated off the meta device "
+                "(ds_engine.memory.MAX_REAL_BYTES)"
+            )
+
+    hooks = [
+        nn_module.register_module_module_registration_hook(on_module),
+        nn_module.register_module_parameter_registration_hook(on_tensor),
+        nn_module.register_module_buffer_registration_hook(on_tensor),
+    ]
+    label = model_cls.__name__ if model_cls is not None else "the base model"
+    try:
+        with torch.device("meta"):
+            if model_cls is not None:
+                return model_cls(config)
+            return transformers.AutoModel.from_config(config)
+    except _BudgetExceeded as exc:
+        raise ValueError(
+            f"{where}: building {label} to count it went past a limit: {exc}. {_TOO_BIG_HINT}"
+        ) from None
+    except Exception as exc:  # the config is user input: whatever its values break is reported as such
+        raise ValueError(
+            f"{where}: {label} cannot be built from this config ({type(exc).__name__}: {exc}). "
+            "HINT: check the config's values, or pass the parameter count instead (`--params`)"
+        ) from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _read_config_file(path: Path) -> tuple[dict[str, Any], str]:
+    """The JSON object in a model folder's config.json (or a config JSON file), read with bounds.
+
+    Only a regular file of at most `MAX_CONFIG_BYTES` is read. A symlink is followed only to a
+    file inside the same folder, or (the Hugging Face cache layout) from `snapshots/<rev>/` into
+    the repository's `blobs/`. Duplicate keys, a non-object top level and nesting deeper than
+    Python's recursion limit are refused.
+    """
+    import json
+    import stat
+
+    from ds_engine._values import no_duplicate_keys
+
+    file = path / "config.json" if path.is_dir() else path
+    where = f"`model` config {str(file)!r}"
+    if path.is_dir() and not os.path.lexists(file):
         raise FileNotFoundError(
             f"`model` folder {str(path)!r} has no config.json; expected a Hugging Face model folder or a "
             "config JSON file. HINT: pass the folder that holds config.json (or the file itself)"
         )
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if file.is_symlink():
+        folder, target = file.parent.resolve(), file.resolve()
+        inside = folder in target.parents or (
+            folder.parent.name == "snapshots" and folder.parent.parent / "blobs" in target.parents
+        )
+        if not inside:
+            raise ValueError(
+                f"{where} is a symbolic link to {str(target)!r}, outside its folder; it is not followed. "
+                "HINT: copy the real config.json into the folder"
+            )
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ValueError(
+            f"{where} cannot be opened ({exc.strerror}). HINT: pass a readable config.json"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(
+                f"{where} is not a regular file. HINT: pass a model folder whose config.json is a file"
+            )
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(
+                f"{where} is {info.st_size} bytes; allowed: at most {MAX_CONFIG_BYTES} "
+                f"(ds_engine.memory.MAX_CONFIG_BYTES). {_TOO_BIG_HINT}"
+            )
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys(where))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{where} is not UTF-8 text ({exc.reason}). HINT: pass the model's config.json"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}. "
+            "HINT: fix the JSON there, or pass the parameter count instead (`--params`)"
+        ) from None
+    except RecursionError:
+        raise ValueError(
+            f"{where} nests too deeply to read. HINT: pass the model's real config.json"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{where} holds a JSON {type(data).__name__}, not an object. HINT: a model config is a JSON "
+            'object such as {"model_type": "gpt2", ...}'
+        )
+    return data, where
+
+
+def _load_config(path: Path) -> tuple[Any, str]:
+    """The transformers config object a model folder / config file describes, and its name for errors.
+
+    The class comes from transformers' own `CONFIG_MAPPING` by `model_type`; no custom code
+    (`auto_map`) is run and nothing is downloaded.
+    """
+    from transformers import CONFIG_MAPPING
+
+    data, where = _read_config_file(path)
+    _check_repeats(data, where)
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{where}: `model_type` = {model_type!r} is not a model type this transformers knows. "
+            "HINT: pass a transformers model's config.json, or the parameter count instead (`--params`)"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data), where
+    except Exception as exc:  # untrusted values: report what the config class refused
+        raise ValueError(
+            f"{where}: transformers' {model_type!r} config refuses it ({type(exc).__name__}: {exc}). "
+            "HINT: check the config's values, or pass the parameter count instead (`--params`)"
+        ) from None
 
 
 def resolve_num_params(
@@ -283,7 +534,7 @@ def resolve_num_params(
         model_or_num_params: a parameter count, an `nn.Module`, a transformers
             `PretrainedConfig`, or a path to an HF model folder / config JSON file.
         largest_layer_params: overrides the derived largest layer. With an int count and no
-            value given, the whole model counts as one layer (an upper bound).
+            value given, it is `estimate_largest_layer(count)` (usual transformer shapes).
 
     Raises:
         ValueError: a count that is not a positive integer, or an unsupported type.
@@ -295,7 +546,8 @@ def resolve_num_params(
             f"got {model_or_num_params!r}. HINT: pass the parameter count, e.g. 1_300_000_000"
         )
     if isinstance(model_or_num_params, int):
-        num_params, largest = model_or_num_params, model_or_num_params
+        num_params = model_or_num_params
+        largest = estimate_largest_layer(num_params) if num_params > 0 else num_params
     elif isinstance(model_or_num_params, (str, os.PathLike)):
         path = Path(model_or_num_params)
         if not path.exists():
@@ -303,7 +555,7 @@ def resolve_num_params(
                 f"`model` path {str(path)!r} does not exist. HINT: pass a local Hugging Face model folder "
                 "or config JSON file (nothing is downloaded), or a parameter count"
             )
-        num_params, largest = count_params(_model_from_config(_load_config(path)))
+        num_params, largest = count_params(_model_from_config(*_load_config(path)))
     else:
         import torch
 
@@ -317,10 +569,10 @@ def resolve_num_params(
                 "int, torch.nn.Module, transformers.PretrainedConfig, or a path to a model folder. "
                 "HINT: pass the parameter count"
             )
-    if num_params <= 0:
+    if not 0 < num_params <= MAX_COUNTED_PARAMS:
         raise ValueError(
-            f"`model_or_num_params` must be a positive parameter count, got {num_params}. "
-            "HINT: pass the number of parameters, e.g. 1_300_000_000"
+            f"`model_or_num_params` must be a positive parameter count of at most {MAX_COUNTED_PARAMS:.0e}, "
+            f"got {num_params}. HINT: pass the number of parameters, e.g. 1_300_000_000"
         )
     if largest_layer_params is not None:
         if isinstance(largest_layer_params, bool) or not isinstance(largest_layer_params, int):
@@ -396,7 +648,7 @@ def estimate_memory(
             `PretrainedConfig`, or a path to a local HF model folder / config JSON (counted on
             the meta device: nothing is allocated or downloaded).
         largest_layer_params: parameters of the largest single module; derived from a model
-            when not given (for a bare count: the whole model, an upper bound).
+            when not given (for a bare count: `estimate_largest_layer`, usual transformer shapes).
         num_gpus_per_node: accelerators (ranks) per node.
         num_nodes: number of nodes.
         zero_stage: 0, 1, 2 or 3.
@@ -615,7 +867,7 @@ def recommend_config(
             reason = (
                 f"{est.label} is the cheapest choice that fits {budget} with {margin}: it needs "
                 f"{format_bytes(est.accelerator.total)} per accelerator and {format_bytes(est.host.total)} "
-                "host memory per node."
+                f"host memory per node. {CHEAPEST}"
             )
             if skipped:
                 reason += " Cheaper choices need more: " + "; ".join(skipped) + "."
@@ -664,6 +916,10 @@ def _parse(text: str, units: dict[str, int], what: str, example: str) -> int:
     value = float(match.group(1)) * units[unit]
     if value <= 0 or not math.isfinite(value):
         raise ValueError(f"{what} {text!r} must be positive. HINT: e.g. {example}")
+    if value > MAX_COUNTED_PARAMS:
+        raise ValueError(
+            f"{what} {text!r} is more than {MAX_COUNTED_PARAMS:.0e}, the most accepted. HINT: e.g. {example}"
+        )
     return round(value)
 
 
@@ -696,6 +952,7 @@ __all__ = [
     "Recommendation",
     "count_params",
     "estimate_all",
+    "estimate_largest_layer",
     "estimate_memory",
     "fits",
     "format_bytes",

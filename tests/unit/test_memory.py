@@ -171,17 +171,31 @@ def test_count_params_counts_shared_parameters_once() -> None:
     assert count_params(model) == (110, 110)
 
 
-def test_bare_count_largest_layer_defaults_to_whole_model() -> None:
+def test_bare_count_largest_layer_is_estimated_from_usual_shapes() -> None:
+    from ds_engine.memory import estimate_largest_layer
+
     e = estimate_memory(P, zero_stage=3, num_gpus_per_node=8)
-    assert e.largest_layer_params == P
-    assert e.accelerator.working == 4 * P
+    assert e.largest_layer_params == estimate_largest_layer(P)
+    assert e.accelerator.working == 4 * e.largest_layer_params
+    # 7B: hidden ~4200 and a 128k vocabulary (Llama 3 8B's embedding: 525M); GPT-2 size: a third
+    assert 500e6 < estimate_largest_layer(7 * 10**9) < 560e6
+    assert estimate_largest_layer(124 * 10**6) == 124 * 10**6 // 3
+    assert estimate_largest_layer(1) == 1
+
+
+def test_bare_count_never_puts_zero3_far_above_zero0_on_one_gpu() -> None:
+    """Only the gathered layer separates them: no whole-model working term for a bare count."""
+    by_stage = {(e.zero_stage, e.offload_optimizer): e for e in estimate_all(7 * 10**9)}
+    zero0, zero3 = by_stage[(0, "none")].accelerator.total, by_stage[(3, "none")].accelerator.total
+    assert zero3 < 1.02 * zero0
 
 
 # --------------------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"model_or_num_params": -5}, r"`model_or_num_params` must be a positive parameter count, got -5"),
+        ({"model_or_num_params": -5}, r"`model_or_num_params` must be a positive parameter count .*got -5"),
+        ({"model_or_num_params": 10**16}, r"of at most 1e\+15, got 10000000000000000"),
         ({"model_or_num_params": True}, r"`model_or_num_params` must be a positive int.*got True"),
         ({"model_or_num_params": 3.5}, r"`model_or_num_params` has unsupported type float"),
         ({"zero_stage": 4}, r"`zero_stage`=4 is not supported; allowed: 0, 1, 2, 3"),
@@ -323,9 +337,18 @@ def test_cli_table_marks_the_recommendation(capsys: pytest.CaptureFixture[str]) 
     assert "largest layer unknown" not in out
 
 
-def test_cli_says_when_largest_layer_is_assumed(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_says_when_largest_layer_is_estimated(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "7B"]) == 0
-    assert "largest layer unknown: taken as the whole model" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "largest layer not given: estimated from the count" in out
+    assert "largest layer 539.00M" in out
+    rows = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ZeRO-")}
+    assert "140.00 GB" in rows["ZeRO-0"] and "142.16 GB" in rows["ZeRO-3"]  # only the gathered layer more
+
+
+def test_cli_recommendation_says_what_cheapest_means(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", "--budget", "200GB"]) == 0
+    assert "Cheapest means the fastest step expected, not the least memory" in capsys.readouterr().out
 
 
 def test_cli_model_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -342,7 +365,17 @@ def test_cli_model_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  
         (["--params", "-3"], r"`--params` count '-3' is not understood"),
         (["--params", "1e9", "--host-budget", "1TB"], r"`--host-budget` '1TB' needs `--budget`"),
         (["--params", "1e12", "--budget", "1GB"], r"no ZeRO stage/offload choice fits the budget of 1.00 GB"),
-        (["--params", "1e9", "--precision", "bf16", "--optimizer", "rmsprop"], r"`optimizer`='rmsprop'"),
+        (
+            ["--params", "1e9", "--gpus-per-node", "0"],
+            r"`--gpus-per-node` must be a positive int, got 0\. HINT: pass e\.g\. --gpus-per-node 8",
+        ),
+        (["--params", "1e9", "--budget", "80GB", "--headroom", "nan"], r"`--headroom` nan is not a fraction"),
+        (["--params", "1e300"], r"`--params` count '1e300' is more than 1e\+15"),
+        (["--params", "1e9", "--budget", "1e300"], r"`--budget` size '1e300' is more than 1 EiB"),
+        (
+            ["--params", "1e9", "--largest-layer", "2e9"],
+            r"`--largest-layer`=2000000000 must be in 1\.\.1000000000",
+        ),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(

@@ -1,0 +1,261 @@
+"""Hostile and faulty input to the `ds-engine` command line: one clear error line, exit 2.
+
+The corpus below is what a hostile or unlucky user hands the CLI: model folders whose
+config.json names a non-model callable, asks for a million layers, is a list, a FIFO, a link
+to a system file or holds a key twice; DeepSpeed configs with duplicate keys; bad numbers;
+bad environment variables. Every case must end with exit status 2 and exactly one
+`ds-engine: error:` line that matches the case's pattern and carries a `HINT:`, with no
+traceback, within a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds_engine import memory
+from ds_engine.cli import main
+
+
+def _model(tmp: Path, config: Any, name: str = "model") -> Path:
+    folder = tmp / name
+    folder.mkdir(parents=True, exist_ok=True)
+    text = config if isinstance(config, str) else json.dumps(config)
+    (folder / "config.json").write_text(text, encoding="utf-8")
+    return folder
+
+
+def _raw(tmp: Path, data: bytes) -> Path:
+    folder = tmp / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(data)
+    return folder
+
+
+def _linked(tmp: Path) -> Path:
+    secret = tmp / "outside" / "secret.json"
+    secret.parent.mkdir()
+    secret.write_text('{"model_type": "gpt2"}', encoding="utf-8")
+    folder = tmp / "model"
+    folder.mkdir()
+    (folder / "config.json").symlink_to(secret)
+    return folder
+
+
+def _fifo(tmp: Path) -> Path:
+    folder = tmp / "model"
+    folder.mkdir()
+    os.mkfifo(folder / "config.json")
+    return folder
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 128,
+        "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
+DUPLICATE_ZERO = (
+    '{"train_micro_batch_size_per_gpu": 1, '
+    '"zero_optimization": {"stage": 3}, "zero_optimization": {"stage": 1}}'
+)
+
+
+@dataclass
+class Case:
+    """`argv(tmp_path)` run through `main` must exit 2 with one error line matching `match`."""
+
+    id: str
+    argv: Callable[[Path], list[str]]
+    match: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _estimate(config: Any) -> Callable[[Path], list[str]]:
+    return lambda t: ["estimate", "--model", str(_model(t, config))]
+
+
+CASES: list[Case] = [
+    # ---- estimate --model: config.json is untrusted -----------------------------------
+    Case(
+        "arch_pipeline",
+        _estimate({**GPT2, "architectures": ["pipeline"]}),
+        r"names 'pipeline', which is not a transformers model class",
+    ),
+    Case("arch_set_seed", _estimate({**GPT2, "architectures": ["set_seed"]}), r"names 'set_seed'"),
+    Case(
+        "arch_other_model_type",
+        _estimate({**GPT2, "architectures": ["BertModel"]}),
+        r"names 'BertModel'.*model_type 'gpt2'",
+    ),
+    Case(
+        "arch_not_a_list",
+        _estimate({**GPT2, "architectures": "GPT2Model"}),
+        r"`architectures` = 'GPT2Model' is not a list",
+    ),
+    Case("million_layers", _estimate({**GPT2, "n_layer": 1_000_000}), r"`n_layer` = 1000000 .*0 to 1024"),
+    Case(
+        "nested_million_layers",
+        _estimate({"model_type": "llava", "text_config": {"num_hidden_layers": 10**6}}),
+        r"`num_hidden_layers` = 1000000",
+    ),
+    Case("layers_not_int", _estimate({**GPT2, "n_layer": "many"}), r"`n_layer` = 'many'"),
+    Case("config_is_list", _estimate("[1, 2, 3]"), r"holds a JSON list, not an object"),
+    Case("config_is_string", _estimate('"gpt2"'), r"holds a JSON str, not an object"),
+    Case("config_not_json", _estimate("{model_type: gpt2}"), r"is not valid JSON: .* line 1"),
+    Case(
+        "config_duplicate_key",
+        _estimate('{"model_type": "gpt2", "model_type": "bert"}'),
+        r"writes the key 'model_type' twice",
+    ),
+    Case("config_too_deep", _estimate("[" * 100_000), r"nests too deeply"),
+    Case(
+        "config_too_big",
+        _estimate('{"x": "' + "a" * (memory.MAX_CONFIG_BYTES + 1) + '"}'),
+        r"bytes; allowed: at most 4194304",
+    ),
+    Case(
+        "config_not_utf8", lambda t: ["estimate", "--model", str(_raw(t, b'{"a": "\xff"}'))], r"is not UTF-8"
+    ),
+    Case(
+        "no_model_type",
+        _estimate({"architectures": ["GPT2Model"]}),
+        r"`model_type` = None is not a model type",
+    ),
+    Case(
+        "custom_model_type",
+        _estimate({"model_type": "evil", "auto_map": {"AutoModel": "evil.Model"}}),
+        r"`model_type` = 'evil'",
+    ),
+    Case("bad_value_type", _estimate({**GPT2, "n_embd": "wide"}), r"config refuses it .*n_embd"),
+    Case(
+        "impossible_shape", _estimate({**GPT2, "n_embd": 65}), r"cannot be built from this config .*divisible"
+    ),
+    Case(
+        "huge_storage",
+        _estimate({**GPT2, "vocab_size": 10**14, "n_embd": 10**8}),
+        r"cannot be built|went past a limit",
+    ),
+    Case(
+        "config_symlink_outside",
+        lambda t: ["estimate", "--model", str(_linked(t))],
+        r"symbolic link to .*outside its folder",
+    ),
+    Case("config_fifo", lambda t: ["estimate", "--model", str(_fifo(t))], r"is not a regular file"),
+    Case("model_folder_missing", lambda t: ["estimate", "--model", str(t / "nope")], r"does not exist"),
+    Case(
+        "model_folder_without_config",
+        lambda t: ["estimate", "--model", str((t / "e").mkdir() or t / "e")],
+        r"has no config.json",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_bad_input_exits_2_with_one_line(
+    case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    argv = case.argv(tmp_path)
+    start = time.monotonic()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    took = time.monotonic() - start
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("usage:")]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("ds-engine: error: "), err
+    assert "HINT:" in lines[0], lines[0]
+    assert re.search(case.match, lines[0]), lines[0]
+    assert took < 30, f"{case.id} took {took:.1f} s"
+
+
+def test_architectures_never_call_a_non_model_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    called: list[str] = []
+    for name in ("pipeline", "set_seed"):
+        monkeypatch.setattr(transformers, name, lambda *a, _n=name, **k: called.append(_n))
+    for name in ("pipeline", "set_seed"):
+        folder = _model(tmp_path, {**GPT2, "architectures": [name]}, name)
+        with pytest.raises(ValueError, match=rf"names '{name}', which is not a transformers model class"):
+            memory.resolve_num_params(folder)
+    assert called == []
+
+
+def test_model_is_built_on_the_meta_device_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    seen: list[str] = []
+    real_init = transformers.GPT2LMHeadModel.__init__
+
+    def spy(self: Any, config: Any) -> None:
+        real_init(self, config)
+        seen.extend({p.device.type for p in self.parameters()})
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "__init__", spy)
+    folder = _model(tmp_path, {**GPT2, "architectures": ["GPT2LMHeadModel"]})
+    assert memory.resolve_num_params(folder)[0] == 172_288
+    assert seen == ["meta"]
+
+
+def test_build_stops_at_the_module_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "MAX_MODULES", 20)
+    folder = _model(tmp_path, {**GPT2, "n_layer": 50})
+    with pytest.raises(
+        ValueError, match=r"went past a limit: more than 20 modules .*HINT: pass the parameter count"
+    ):
+        memory.resolve_num_params(folder)
+
+
+def test_build_stops_at_the_real_allocation_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import GPT2Config
+
+    monkeypatch.setattr(memory, "MAX_REAL_BYTES", 0)
+    real_empty = __import__("torch").empty
+
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        kwargs["device"] = "cpu"
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr("torch.empty", on_cpu)  # a constructor that ignores the meta device
+    with pytest.raises(ValueError, match=r"allocated off the meta device"):
+        memory.resolve_num_params(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100))
+
+
+def test_hugging_face_cache_symlinks_are_followed(tmp_path: Path) -> None:
+    repo = tmp_path / "models--org--tiny"
+    blob = _write(repo / "blobs" / "0123abcd", json.dumps(GPT2))
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to(os.path.relpath(blob, snapshot))
+    assert memory.resolve_num_params(snapshot)[0] > 0
+
+
+def test_no_traceback_from_the_installed_command(tmp_path: Path) -> None:
+    folder = _model(tmp_path, {**GPT2, "architectures": ["pipeline"]})
+    script = Path(sys.executable).with_name("ds-engine")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "ds_engine.cli"]
+    done = subprocess.run(
+        [*command, "estimate", "--model", str(folder)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ds-engine: error:")]
+    assert len(errors) == 1 and "'pipeline'" in errors[0], done.stderr
