@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_engine import ds_blocks
-from ds_engine._values import AUTO, _is_int, _is_number, words
+from ds_engine._values import AUTO, _is_int, _is_number, no_duplicate_keys, words
 from ds_engine.errors import ConfigError, config_error, merge_problems, unknown_key
 
 #: ZeRO offload devices (`zero_optimization.offload_*.device`).
@@ -124,12 +124,18 @@ def load_json_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict
             f"DeepSpeed config file `{path}` cannot be read ({exc}). HINT: pass a readable UTF-8 JSON file"
         ) from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=no_duplicate_keys(f"DeepSpeed config file `{path}`"))
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"DeepSpeed config file `{path}` is not valid JSON: {exc.msg} at line {exc.lineno} "
             f"column {exc.colno}. HINT: fix the JSON there (no comments or trailing commas)"
         ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"DeepSpeed config file `{path}` nests too deeply to read. HINT: pass a DeepSpeed JSON config"
+        ) from None
+    except ValueError as exc:  # a key written twice (no_duplicate_keys)
+        raise ConfigError(str(exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"DeepSpeed config file `{path}` must hold a JSON object at the top level, got "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_engine._values import no_duplicate_keys
 from ds_engine.ds_config import PRESETS, preset_path
 from ds_engine.engine import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
 
@@ -94,12 +95,14 @@ def resolve_config(value: str) -> Path:
     else:
         path = preset_path(value)  # importlib.resources; a ConfigError names the presets
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(), object_pairs_hook=no_duplicate_keys(f"`--config` {str(path)!r}"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise LaunchError(
             f"`--config` {str(path)!r} is not valid JSON ({exc}). "
             "HINT: fix the file, or build one with `ds-engine config`"
         ) from None
+    except ValueError as exc:  # a key written twice
+        raise LaunchError(str(exc)) from None
     if not isinstance(data, dict):
         raise LaunchError(
             f"`--config` {str(path)!r} holds a JSON {type(data).__name__}, not an object. "

@@ -7,8 +7,10 @@ its Agg canvas (no pyplot, no global backend switch), so a notebook's own backen
 
 Train-step records are the lines with a numeric `step` and `loss` (and no `eval_*` key);
 evaluation records are the lines with `eval_accuracy`, `eval_perplexity` or `eval_loss`. Lines
-that are neither (or are not JSON) are skipped. A resumed run appends to the file: the last
-record of a step wins.
+that are neither (or are not UTF-8 JSON, or longer than `MAX_LINE_BYTES`) are skipped; a step
+is an integer from 0 to `MAX_STEP`; a value beyond +-`MAX_ABS_VALUE` is drawn as missing, as NaN
+and inf are, and a perplexity <= 0 is left off its log axis. A resumed run appends to the file:
+the last record of a step wins.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,42 @@ INSTALL_HINT = 'pip install "ds-engine[matplotlib]"  (or: pip install "matplotli
 EVAL_METRICS = {"eval_accuracy": "validation accuracy", "eval_perplexity": "validation perplexity"}
 
 
+#: Largest magnitude drawn; beyond it a value counts as no number (an axis spanning +-1e308 cannot
+#: be ticked), as NaN and inf do.
+MAX_ABS_VALUE = 1e100
+#: Largest step drawn (a trillion optimizer steps).
+MAX_STEP = 10**12
+
+
 def _number(value: Any) -> float | None:
-    """`value` as a finite float, or None (bools, strings, null, NaN and inf are not numbers here)."""
+    """`value` as a float of at most `MAX_ABS_VALUE`, or None (bools, strings, null, NaN, inf)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return value if math.isfinite(value) and abs(value) <= MAX_ABS_VALUE else None
+
+
+def _step(record: dict) -> int | None:
+    """The record's `step` as an int in 0..MAX_STEP, or None."""
+    step = _number(record.get("step"))
+    return int(step) if step is not None and 0 <= step <= MAX_STEP and step == int(step) else None
+
+
+#: Longest line read (a metrics record is a few hundred bytes); longer lines are skipped unread.
+MAX_LINE_BYTES = 2**20
+
+
+def _lines(f: Any) -> Iterator[bytes]:
+    """The lines of binary file `f`, without any longer than `MAX_LINE_BYTES` (read past, in chunks)."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # skip the rest of the over-long line
+            line = f.readline(MAX_LINE_BYTES)
 
 
 def read_metrics(metrics_path: str | os.PathLike[str]) -> tuple[list[dict], list[dict]]:
@@ -43,18 +76,22 @@ def read_metrics(metrics_path: str | os.PathLike[str]) -> tuple[list[dict], list
     """
     path = Path(metrics_path)
     if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path} (expected a run's metrics.jsonl)")
+        raise FileNotFoundError(
+            f"no metrics file at {path} (expected a run's metrics.jsonl, a regular file). "
+            "HINT: pass the metrics.jsonl your run wrote"
+        )
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
+    with open(path, "rb") as f:
+        for raw in _lines(f):
+            try:  # a junk line (not UTF-8, not JSON, nested past the recursion limit) is skipped
+                record = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):
                 continue
-            if not isinstance(record, dict) or _number(record.get("step")) is None:
+            step = _step(record) if isinstance(record, dict) else None
+            if step is None:
                 continue
-            step = int(record["step"])
+            record["step"] = step
             if any(key.startswith("eval_") for key in record):
                 if any(_number(record.get(k)) is not None for k in (*EVAL_METRICS, "eval_loss")):
                     evals[step] = record
@@ -63,7 +100,8 @@ def read_metrics(metrics_path: str | os.PathLike[str]) -> tuple[list[dict], list
     if not train:
         raise ValueError(
             f"{path} holds no train-step records (JSON lines with a numeric 'step' and 'loss'); "
-            "is it a ds_engine run's metrics.jsonl, and did the run log at least one step?"
+            "is it a ds_engine run's metrics.jsonl, and did the run log at least one step? "
+            "HINT: pass the metrics.jsonl of a run that logged a step"
         )
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
@@ -147,7 +185,9 @@ def plot_metrics(
 def _draw_evals(ax: Any, evals: list[dict]) -> None:
     """Accuracy and/or perplexity per evaluation (perplexity on a log scale, its own axis if both)."""
     acc = _series(evals, "eval_accuracy")
-    ppl = _series(evals, "eval_perplexity")
+    ppl_steps, ppl_values = _series(evals, "eval_perplexity")
+    kept = [(step, value) for step, value in zip(ppl_steps, ppl_values) if value > 0]  # a log axis
+    ppl = ([step for step, _ in kept], [value for _, value in kept])
     ax.set_title("validation")
     if not acc[0] and not ppl[0]:
         ax.text(

@@ -160,6 +160,41 @@ CASES: list[Case] = [
         lambda t: ["estimate", "--model", str((t / "e").mkdir() or t / "e")],
         r"has no config.json",
     ),
+    # ---- DeepSpeed JSON configs: a key written twice is an error naming key and file -----
+    Case(
+        "validate_duplicate_zero",
+        lambda t: ["config", "--validate", str(_write(t / "ds.json", DUPLICATE_ZERO))],
+        r"ds\.json.* writes the key 'zero_optimization' twice",
+    ),
+    Case(
+        "base_duplicate_zero",
+        lambda t: ["config", "--base", str(_write(t / "ds.json", DUPLICATE_ZERO)), "--micro-batch-size", "1"],
+        r"ds\.json.* writes the key 'zero_optimization' twice",
+    ),
+    Case(
+        "validate_duplicate_nested",
+        lambda t: [
+            "config",
+            "--validate",
+            str(_write(t / "ds.json", '{"zero_optimization": {"stage": 1, "stage": 3}}')),
+        ],
+        r"writes the key 'stage' twice",
+    ),
+    Case(
+        "launch_duplicate_zero",
+        lambda t: [
+            "launch",
+            "--config",
+            str(_write(t / "ds.json", DUPLICATE_ZERO)),
+            str(_write(t / "train.py", "pass")),
+        ],
+        r"`--config` .*ds\.json.* writes the key 'zero_optimization' twice",
+    ),
+    Case(
+        "validate_too_deep",
+        lambda t: ["config", "--validate", str(_write(t / "ds.json", "[" * 100_000))],
+        r"nests too deeply",
+    ),
 ]
 
 
@@ -259,3 +294,12 @@ def test_no_traceback_from_the_installed_command(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("ds-engine: error:")]
     assert len(errors) == 1 and "'pipeline'" in errors[0], done.stderr
+
+
+def test_engine_refuses_a_config_file_with_a_duplicate_key(tmp_path: Path) -> None:
+    from ds_engine import Engine
+    from ds_engine.config import ConfigError
+
+    path = _write(tmp_path / "ds.json", DUPLICATE_ZERO)
+    with pytest.raises(ConfigError, match=r"ds\.json` writes the key 'zero_optimization' twice.*HINT: merge"):
+        Engine(config=str(path), backend="accelerate")

@@ -143,3 +143,46 @@ def test_without_matplotlib_the_message_says_how_to_install_it(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert 'pip install "ds-engine[matplotlib]"' in err
     assert not (tmp_path / "metrics.png").exists()
+
+
+# Junk a metrics file can hold (a crashed writer, a diverged run, another program's output):
+# the line (or the value) is skipped and the plot is still drawn, never a traceback.
+JUNK_LINES = {
+    "step_1e308": '{"step": 1e308, "loss": 2.0}',
+    "step_negative": '{"step": -5, "loss": 2.0}',
+    "step_fraction": '{"step": 2.5, "loss": 2.0}',
+    "step_huge_int": '{"step": ' + "9" * 400 + ', "loss": 2.0}',
+    "loss_1e308_both_signs": '{"step": 7, "loss": 1e308}\n{"step": 8, "loss": -1e308}',
+    "lr_and_norm_extremes": '{"step": 9, "loss": 1.0, "lr": 1e300, "grad_norm": 1e308}',
+    "perplexity_not_positive": '{"step": 11, "eval_perplexity": -5}\n{"step": 12, "eval_perplexity": 0}',
+    "accuracy_nan_string": '{"step": 13, "eval_accuracy": "NaN"}',
+    "not_utf8": b'{"step": 14, "loss": "\xff\xfe"}'.decode("latin-1"),
+    "nested_too_deep": "[" * 100_000,
+    "over_long_line": "x" * (2**20 + 10),
+    "not_an_object": '[1, 2]\n"text"\nnull',
+    "skipped_steps_huge": '{"step": 15, "loss": 1.0, "skipped_steps": 1e308}',
+}
+
+
+@pytest.mark.parametrize("junk", list(JUNK_LINES.values()), ids=list(JUNK_LINES))
+def test_junk_lines_are_skipped_and_the_plot_is_drawn(tmp_path, capsys, junk):
+    (tmp_path / "run").mkdir()
+    path = write_metrics(tmp_path / "run" / "metrics.jsonl")
+    with open(path, "ab") as f:
+        f.write(junk.encode("latin-1" if "\xff" in junk else "utf-8") + b"\n")
+        f.write(json.dumps(_train(40)).encode() + b"\n")
+    assert cli_main(["plot", str(path)]) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert (tmp_path / "run" / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+    train, _ = read_metrics(path)
+    assert [r["step"] for r in train][-1] == 40
+    assert all(isinstance(r["step"], int) and 0 <= r["step"] <= 10**12 for r in train)
+
+
+def test_only_out_of_range_steps_is_an_error_with_a_hint(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": -1e18, "loss": 1.0}\n{"step": 1e18, "loss": 1.0}\n')
+    assert cli_main(["plot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-engine: error: ") and "holds no train-step records" in err and "HINT:" in err
