@@ -158,6 +158,11 @@ class PreparedDataLoader:
         self.batch_index = 0
         self.in_progress = False
         self._epoch_set_explicitly = False
+        self._left_at: int | None = None
+        """Where the last pass, left before its end (a `break`), resumes (`keep_position`); None:
+        the next pass starts afresh. What `checkpoint_state()` records until the next pass starts."""
+        self._restored_epoch: int | None = None
+        """The epoch of a position restored by `load_state_dict` that no pass has started yet."""
 
     # ------------------------------------------------------------------ facts
     @property
@@ -182,17 +187,47 @@ class PreparedDataLoader:
         return len(self.batch_sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for `epoch` (the same permutation on every rank)."""
+        """Reshuffle for `epoch` (the same permutation on every rank).
+
+        A position inside another epoch (a pass left early, a restored position) no longer
+        applies: the next pass starts at batch 0 of `epoch`.
+        """
+        if int(epoch) != int(self.batch_sampler.epoch):
+            self._left_at = None
+        if self._restored_epoch is not None and int(epoch) != self._restored_epoch:
+            self.batch_sampler.skip_batches = 0
+            self._restored_epoch = None
         self.batch_sampler.epoch = epoch
         self._epoch_set_explicitly = True
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Make the next iteration start at batch `num_batches` (resume mid-epoch)."""
         self.batch_sampler.skip_batches = num_batches
+        self._left_at = None
+        self._restored_epoch = None
+
+    def keep_position(self, next_batch: int) -> None:
+        """After a pass left before its end (a `break` out of the loop): record `next_batch` (the
+        batches consumed) as where this epoch resumes, so a checkpoint saved now continues there.
+
+        The Engine calls it for a pass it trained on; the next pass in this process still starts
+        afresh (as a new `for` over a DataLoader does), unless repositioned.
+        """
+        if not self.in_progress:
+            self._left_at = int(next_batch)
 
     def _resume_point(self) -> tuple[int, int]:
-        """(epoch, batch): the batch after the one being processed; the next epoch after its last."""
-        epoch, next_batch = int(self.epoch), int(self.batch_index) + 1 if self.in_progress else 0
+        """(epoch, batch): the batch after the one being processed; the position a pass left early
+        keeps (`keep_position`) or a restored one not yet reached; the next epoch after its last."""
+        epoch = int(self.epoch)
+        if self.in_progress:
+            next_batch = int(self.batch_index) + 1
+        elif self.batch_sampler.skip_batches:
+            next_batch = int(self.batch_sampler.skip_batches)  # where the next pass starts
+        elif self._left_at is not None:
+            next_batch = self._left_at
+        else:
+            next_batch = 0
         if next_batch >= len(self):
             epoch, next_batch = epoch + 1, 0
         return epoch, next_batch
@@ -247,21 +282,27 @@ class PreparedDataLoader:
         """Resume at `state`; the epoch then advances by itself as before."""
         self.batch_sampler.epoch = int(state["epoch"])
         self.skip_first_batches(int(state["batch_index"]))
+        self._restored_epoch = int(state["epoch"])
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         start = self.batch_sampler.skip_batches
         self._generator.manual_seed(self.batch_sampler.seed + self.batch_sampler.epoch)
         self.in_progress = True
+        self._left_at, self._restored_epoch = None, None
+        finished = False
         try:
             for offset, batch in enumerate(self._loader):
                 self.batch_index = start + offset
                 self._on_batch(self, self.batch_index)
                 yield move_to_device(batch, self.device)
                 self.batch_index = start + offset + 1
+            finished = True
         finally:
             self.in_progress = False
             self.batch_sampler.skip_batches = 0
+            if not finished and start:
+                self._left_at = start  # unless `keep_position` says more was consumed
             self._on_end(self)
         if not self._epoch_set_explicitly:
             self.batch_sampler.epoch += 1  # reshuffle next epoch, as accelerate does

@@ -98,7 +98,6 @@ class Engine:
         resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
         self._backend = backend_cls(resolved)
-        self._ended = False
         self.config: EngineConfig = self._backend.effective
         """The effective high-level choices (after merging the JSON)."""
         unhonoured = self._backend.unhonoured_choices()
@@ -119,6 +118,7 @@ class Engine:
         self._scheduler: OverflowAwareScheduler | None = None
         self._dataloaders: list[PreparedDataLoader] = []
         self._loader_marks: dict[int, tuple[int, int]] = {}
+        self._trained_batch: dict[int, int] = {}  # loader id -> last batch of its pass a micro-step ran on
         self.config_optimizer_parameters: Any = None
         """What DeepSpeed's config `optimizer` trains when `prepare` gets no torch optimizer:
         parameters or param groups (e.g. without weight decay on biases); None: the model's
@@ -199,13 +199,26 @@ class Engine:
         return self._scheduler
 
     # ================================================================= processes
-    def _dist(self) -> bool:
-        if self._ended:
-            raise RuntimeError(
-                "ds_engine: end_training() destroyed this run's process group, or ended this Engine "
-                "while other Engines still use the group; call it once per Engine, after the last "
-                "collective (saving, gathering, wait_for_everyone)."
-            )
+    @property
+    def _ended(self) -> bool:
+        """`end_training` ended this Engine's run."""
+        return self.step.ended
+
+    @property
+    def _caller(self) -> str:
+        """What the user's script calls this object: "engine", or "accelerator" on the accelerate surface."""
+        for cls in type(self).__mro__:
+            if cls.__module__.startswith("ds_engine."):
+                return cls.__name__.lower()
+        return "engine"  # pragma: no cover - Engine itself is in ds_engine
+
+    def _refuse_if_ended(self, call: str) -> None:
+        """The one error for `<caller>.<call>` after `end_training` (every backend alike)."""
+        if self.step.ended:
+            self.step.refuse_if_ended(f"{self._caller}.{call}")
+
+    def _dist(self, call: str = "process_index") -> bool:
+        self._refuse_if_ended(call)
         _GROUP_USERS.add(self)  # a user of the shared process group until its `end_training`
         self._backend.setup_distributed()
         return dist.is_available() and dist.is_initialized()
@@ -218,13 +231,13 @@ class Engine:
     @property
     def local_process_index(self) -> int:
         """Rank of this process on its node."""
-        self._dist()
+        self._dist("local_process_index")
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def num_processes(self) -> int:
         """World size."""
-        return dist.get_world_size() if self._dist() else 1
+        return dist.get_world_size() if self._dist("num_processes") else 1
 
     @property
     def is_main_process(self) -> bool:
@@ -242,7 +255,7 @@ class Engine:
 
     def wait_for_everyone(self) -> None:
         """Barrier across all processes."""
-        if self._dist() and dist.get_world_size() > 1:
+        if self._dist("wait_for_everyone()") and dist.get_world_size() > 1:
             dist.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -275,7 +288,7 @@ class Engine:
         """
         if self._ended:
             return
-        self._ended = True
+        self.step.ended = True
         _GROUP_USERS.discard(self)
         if dist.is_available() and dist.is_initialized():
             if dist.get_world_size() > 1:
@@ -292,8 +305,8 @@ class Engine:
         A no-op on other stages and on the fallback. transformers is told about the ZeRO-3
         config only while the context lasts, so a later plain `from_pretrained` stays plain.
         """
-        if not self._ended:
-            _GROUP_USERS.add(self)  # ZeRO-3 forms the process group here
+        self._refuse_if_ended("init_context()")
+        _GROUP_USERS.add(self)  # ZeRO-3 forms the process group here
         return self._backend.init_context()
 
     def fill_auto(self, values: Mapping[str, Any]) -> None:
@@ -361,6 +374,7 @@ class Engine:
           "unprepared" for the accelerate-compatible `Accelerator`. One log line on the main
           process says which reading was applied and why (a warning where it was the default).
         """
+        self._refuse_if_ended("prepare(...)")
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         loaders = [o for o in objects if isinstance(o, DataLoader)]
@@ -397,6 +411,8 @@ class Engine:
                 "earlier call without one (inference only). HINT: pass them in one call: "
                 "engine.prepare(model, optimizer, ...)."
             )
+        if models and optimizers:
+            self._check_optimizer_parameters(models[0], optimizers[0])
         self._backend.setup_distributed()
         prepared: dict[int, Any] = {}
         for loader in loaders:
@@ -436,6 +452,44 @@ class Engine:
                 self._scheduler = OverflowAwareScheduler(backend_scheduler, self.step, engine_steps_it=True)
         result = tuple(prepared[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
+
+    def _check_optimizer_parameters(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that holds tensors which are not the model's parameters.
+
+        The Engine reduces, clips, partitions and saves the prepared model's parameters only:
+        an optimizer built over another model (or over this one before it was re-created)
+        would step parameters that never get a gradient, and DeepSpeed's ZeRO-2/3 fail on them
+        deep inside. Holding only some of the model's parameters (a frozen part) is fine.
+        Checked before any process group work, on every rank alike.
+        """
+        owned = {id(p) for p in model.parameters()}
+        foreign: list[tuple[int, int, torch.Tensor]] = []
+        total = 0
+        for g, group in enumerate(optimizer.param_groups):
+            params = group.get("params", [])
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for i, param in enumerate(params):
+                total += 1
+                if id(param) not in owned:
+                    foreign.append((g, i, param))
+        if not foreign:
+            return
+        g, i, first = foreign[0]
+        shape = tuple(getattr(first, "ds_shape", None) or first.shape)
+        which = (
+            f"none of its {total} parameters is a parameter of the model"
+            if len(foreign) == total
+            else f"{len(foreign)} of its {total} parameters are not parameters of the model"
+        )
+        raise ValueError(
+            f"`{self._caller}.prepare(model, optimizer)`: the optimizer ({type(optimizer).__name__}) "
+            f"steps tensors the model ({type(model).__name__}) does not own: {which} (the first: "
+            f"param_groups[{g}]['params'][{i}], shape {shape}). They would never get a gradient from "
+            "this model (a run that counts steps and trains nothing). HINT: create the optimizer from "
+            "the model you prepare, after creating it (after `init_context()` / `get_peft_model`): "
+            "`torch.optim.AdamW(model.parameters(), ...)`; a tensor of your own that must train "
+            "(e.g. a temperature) goes on the model: `model.temperature = torch.nn.Parameter(...)`."
+        )
 
     def _wrap_scheduler(
         self, scheduler: Any, loader: PreparedDataLoader | None = None
@@ -522,15 +576,50 @@ class Engine:
             on_batch=self._on_batch,
             on_end=self._on_loader_end,
         )
+        self._check_same_length_on_every_rank(prepared, index=len(self._dataloaders))
         self._dataloaders.append(prepared)
         return prepared
+
+    def _check_same_length_on_every_rank(self, loader: PreparedDataLoader, *, index: int) -> None:
+        """Refuse loaders whose length differs across ranks: one all_gather of (batches, samples).
+
+        Every rank must take the same number of micro-steps (each one ends in collectives), and
+        the sharding cuts one global sample order: a rank with more batches would wait alone in
+        its next collective until the timeout. Raised on every rank alike.
+        """
+        world = self.num_processes
+        if world == 1:
+            return
+        try:
+            mine = [len(loader), loader.num_samples]
+        except TypeError:  # no length: nothing to compare
+            mine = [-1, -1]
+        local = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        lengths = [(int(p[0]), int(p[1])) for p in parts]
+        if len(set(lengths)) == 1:
+            return
+        per_rank = ", ".join(
+            f"rank {r}: {n} batches ({s} samples)" if n >= 0 else f"rank {r}: no length"
+            for r, (n, s) in enumerate(lengths)
+        )
+        raise ValueError(
+            f"`{self._caller}.prepare`: dataloader #{index} differs across ranks ({per_rank}); every "
+            "rank must take the same number of steps, or the longer ones wait in a collective until "
+            "the timeout. HINT: give every rank the same whole dataset and a plain sampler (shuffle or "
+            "not): ds_engine shards it across ranks itself; do not split the data per rank or pass a "
+            "rank-dependent sampler (DistributedSampler) yourself."
+        )
 
     def _on_batch(self, loader: PreparedDataLoader, index: int) -> None:
         if not self._loaders_in_progress or self._loaders_in_progress[-1] is not loader:
             if loader in self._loaders_in_progress:
                 self._loaders_in_progress.remove(loader)
             self._loaders_in_progress.append(loader)
-        self._loader_marks.setdefault(id(loader), self._marks())
+        if id(loader) not in self._loader_marks:  # the pass's first batch
+            self._loader_marks[id(loader)] = self._marks()
+            self._trained_batch.pop(id(loader), None)
 
     def _marks(self) -> tuple[int, int]:
         """(optimizer steps taken, skipped included; micro-steps)."""
@@ -541,6 +630,11 @@ class Engine:
             self._loaders_in_progress.remove(loader)
         start = self._loader_marks.pop(id(loader), None)
         finished = loader.batch_index == len(loader)  # not a `break` or an exception
+        trained = self._trained_batch.pop(id(loader), None)
+        if not finished and trained is not None:
+            # the loop was left after training on batch `trained`: a checkpoint saved now resumes
+            # at the next batch, as the run that did not stop here goes on
+            loader.keep_position(trained + 1)
         if finished and start is not None and self.step.grads_pending:
             (steps_before, micro_before), (steps_now, micro_now) = start, self._marks()
             never_stepped = steps_now == steps_before and micro_now > micro_before
@@ -641,6 +735,7 @@ class Engine:
         loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
         if loader is not None:
             index, length = loader.batch_index, len(loader)
+            self._trained_batch[id(loader)] = index
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start
@@ -662,6 +757,7 @@ class Engine:
         Gradients are reduced across ranks only at an accumulation boundary; `optimizer.step()`,
         `scheduler.step()` and `optimizer.zero_grad()` inside it take effect only there.
         """
+        self._refuse_if_ended("accumulate(model)")
         self._begin_micro_step()
         model = models[0] if models else self._model
         self._in_accumulate = True
@@ -682,7 +778,27 @@ class Engine:
         """Backward of `loss / window_length`; reduces gradients only at a boundary.
 
         Outside `accumulate`, each call is one micro-step of its own.
+
+        Raises:
+            TypeError: `loss` is not a tensor.
+            ValueError: `loss` holds more than one value (reduce it first: `loss.mean()`).
+            RuntimeError: No optimizer was prepared, after `end_training()`, or misuse of the
+                accumulation window (the message says which).
         """
+        self._refuse_if_ended("backward(loss)")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"`{self._caller}.backward(loss)` got a {type(loss).__name__} ({loss!r:.60}); it needs the "
+                "loss tensor the forward computed (with its graph). HINT: pass the tensor itself, e.g. "
+                "`outputs.loss`, not `loss.item()` or a float."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"`{self._caller}.backward(loss)` got a loss of shape {tuple(loss.shape)} ({loss.numel()} "
+                "values); backward needs a single number (a 0-dim tensor). HINT: reduce it first, e.g. "
+                f"`{self._caller}.backward(loss.mean())` (per-sample or per-token losses), or pass "
+                "`reduction='mean'` to the loss function."
+            )
         if self._optimizer is None:
             if self._model is not None:
                 raise RuntimeError(
@@ -737,6 +853,7 @@ class Engine:
             )
 
     def _optimizer_step(self) -> None:
+        self.step.refuse_if_ended("optimizer.step()")
         self._refuse_training_while_gathered("optimizer.step()")
         if (
             self._in_accumulate
@@ -773,6 +890,7 @@ class Engine:
             )
 
     def _zero_grad(self) -> None:
+        self.step.refuse_if_ended("optimizer.zero_grad()")
         if not self.step.grads_pending:
             self._backend.zero_grad()  # nothing accumulated since the last step: a plain clear
         elif self.step.boundary and self.step.micro_backwards and not self.step.stepped:
@@ -791,6 +909,7 @@ class Engine:
         Returns the pre-clip global norm where it is known now (fallback), else None; after
         `optimizer.step()` the norm is always in `engine.grad_norm`.
         """
+        self._refuse_if_ended("clip_grad_norm_(...)")
         configured = self.config.gradient_clipping
         if float(max_norm) != float(configured):
             raise ConfigError(
@@ -839,7 +958,7 @@ class Engine:
 
     def gather(self, data: Any) -> Any:
         """Concatenate tensors (nested structures too) from every rank along dim 0."""
-        if not self._dist() or dist.get_world_size() == 1:
+        if not self._dist("gather(...)") or dist.get_world_size() == 1:
             return data
         return map_tensors(data, all_gather_cat)
 
@@ -858,7 +977,7 @@ class Engine:
         if reduction not in ("sum", "mean"):
             raise ValueError(f"`reduction={reduction!r}`; allowed: 'sum', 'mean'. HINT: reduction='mean'.")
         result = tensor.detach().clone()
-        if self._dist() and dist.get_world_size() > 1:
+        if self._dist("reduce(...)") and dist.get_world_size() > 1:
             dist.all_reduce(result, op=dist.ReduceOp.SUM)
             if reduction == "mean":
                 result = result / dist.get_world_size()
@@ -927,6 +1046,7 @@ class Engine:
         `PeftModel.save_pretrained(dir, state_dict=...)` takes. `merged=True` gives the base
         model's state dict with the LoRA adapters merged in instead.
         """
+        self._refuse_if_ended("get_state_dict(model)")
         return self._backend.get_state_dict(model, dtype=dtype, exclude_frozen=exclude_frozen, merged=merged)
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
@@ -937,6 +1057,7 @@ class Engine:
         `safe_serialization` (then `obj` must be a dict of tensors). Not collective: any rank
         may call it; only rank 0 writes. Usable as transformers' `save_function`.
         """
+        self._refuse_if_ended("save(obj, f)")
         if not self.is_main_process:
             return
         from ds_engine._io import write_file_atomic
@@ -977,6 +1098,7 @@ class Engine:
         gathering only the adapter's parameters. `merged=True` writes the base model with the
         LoRA adapters merged in, reloaded by the base class's plain `from_pretrained`.
         """
+        self._refuse_if_ended("save_pretrained(model, directory)")
         self._backend.save_pretrained(
             self.unwrap_model(model),
             save_directory,
@@ -1020,6 +1142,7 @@ class Engine:
         """
         from ds_engine.checkpoint import save_training_checkpoint
 
+        self._refuse_if_ended("save_checkpoint(directory)")
         self._claim_checkpoint_directory(directory)
         save_training_checkpoint(
             directory,
@@ -1078,6 +1201,7 @@ class Engine:
         """
         from ds_engine.checkpoint import load_training_checkpoint
 
+        self._refuse_if_ended("load_checkpoint(directory)")
         return load_training_checkpoint(
             directory, backend=self._backend, model=self._model, state=self, tag=tag
         )
@@ -1112,7 +1236,7 @@ class Engine:
             ValueError: `gather=True` where the model cannot be gathered (FSDP), `gather=False`
                 inside `gathered`, or `synced_gpus=False` on the synced path with several ranks.
         """
-        self._dist()
+        self._dist("generate(...)")
         wrapper, module = self._generation_target(model)
         return _generate(wrapper, module, *args, gather=gather, **generate_kwargs)
 
@@ -1142,7 +1266,7 @@ class Engine:
             ValueError: A ZeRO-3 module whose DeepSpeed engine this Engine does not hold (a
                 bare module prepared by another Engine: pass it to that Engine).
         """
-        self._dist()
+        self._dist("gathered(model)")
         wrapper, module = self._generation_target(model)
         return _gathered(wrapper, module)
 

@@ -163,6 +163,7 @@ class OverflowAwareScheduler:
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule if an optimizer step was just applied and not yet counted."""
         state = self._state
+        state.refuse_if_ended("scheduler.step()")
         if self._engine_steps_it:
             return
         if not state.boundary or state.step_was_skipped:

@@ -44,6 +44,23 @@ class StepState:
     """Micro-steps counted without a prepared dataloader in progress (they set the boundary then)."""
     consecutive_skips: int = 0
     """Optimizer steps skipped in a row."""
+    ended: bool = False
+    """The Engine's run ended (`end_training`): nothing may train, save or communicate any more."""
+
+    def refuse_if_ended(self, call: str) -> None:
+        """Raise the one error every training, saving or collective call gives after `end_training`.
+
+        Args:
+            call: The call as the user wrote it, e.g. "engine.backward(loss)" or "optimizer.step()".
+        """
+        if self.ended:
+            raise RuntimeError(
+                f"`{call}` after `end_training()`: end_training() destroyed this run's process group "
+                "(or, while other Engines still use it, ended this Engine's part in it), so the prepared "
+                "model, optimizer, scheduler and dataloaders can no longer train, save or communicate. "
+                "HINT: call `end_training()` once, as the script's last call, after the final "
+                "`save_checkpoint` / `save_pretrained`."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """What a training checkpoint keeps (a checkpoint is taken at a boundary, after the step)."""

@@ -205,6 +205,7 @@ class DeepSpeedBackend(Backend):
             config=ds_config,
             dist_init_required=False,
         )
+        _mode_calls_return_the_model(engine)
         self.ds_engine = engine
         self._ds_config = ds_config
         if inference_only:
@@ -460,6 +461,31 @@ class DeepSpeedBackend(Backend):
         from ds_engine.backends.deepspeed_states import load_deepspeed_checkpoint
 
         load_deepspeed_checkpoint(self.ds_engine, directory, tag, meta)
+
+
+def _mode_calls_return_the_model(engine: Any) -> None:
+    """Make the prepared model's `train()` / `eval()` return it, as every torch module's do.
+
+    DeepSpeed's engine overrides both to return None (and leaves its own `training` flag
+    behind), so `teacher = engine.prepare(teacher).eval()` would bind None. Per instance: the
+    class is DeepSpeed's.
+    """
+    import types
+
+    set_mode = type(engine).train
+
+    def train(self: Any, mode: bool = True) -> Any:
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
+        set_mode(self, mode)
+        self.training = mode
+        return self
+
+    def to_eval(self: Any) -> Any:
+        return train(self, False)
+
+    engine.__dict__["train"] = types.MethodType(train, engine)
+    engine.__dict__["eval"] = types.MethodType(to_eval, engine)
 
 
 def _local_grad_norm(module: torch.nn.Module) -> float:
