@@ -27,9 +27,7 @@ user's module, and the Engine as a `TrainingState` (its public step facts and it
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,7 +52,13 @@ from ds_engine._io import (
 )
 from ds_engine._values import parse_size  # re-exported: the one size parser
 from ds_engine.consolidate import consolidate_hint
-from ds_engine.safety import restricted_load
+from ds_engine.safety import (
+    TAG_RE,
+    check_regular_file,
+    confined_tag,
+    read_json_bounded,
+    restricted_load,
+)
 from ds_engine.weights import is_hf_model, save_hf_config
 
 if TYPE_CHECKING:
@@ -77,7 +81,7 @@ CHECKPOINT_META_NAME = "ds_engine_meta.json"
 ENGINE_STATE_NAME = "engine_state.pt"
 LATEST_NAME = "latest"
 CHECKPOINT_FORMAT = 1
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+_TAG_RE = TAG_RE  # one definition of a tag name, shared with the readers
 
 
 class TrainingState(Protocol):
@@ -188,17 +192,32 @@ def _check_tag_name(tag: str) -> None:
 
 
 def _tags(directory: Path) -> list[str]:
-    """Sub-folders of `directory` that are ds_engine checkpoint tags, oldest first."""
+    """The complete ds_engine checkpoint tags in `directory`, oldest first (by `saved_at`).
+
+    A complete tag is a real sub-folder (not a link) with a plain tag name, whose metadata
+    reads as a ds_engine tag's (`_read_meta`) and which holds its engine state as a regular
+    file. Anything else beside them (junk, a link, a half-copied folder) is no tag: it never
+    fails this listing, is never "the newest", and is never removed by rotation.
+    """
     found = []
-    for sub in directory.iterdir() if directory.is_dir() else ():
-        meta = sub / CHECKPOINT_META_NAME
-        if sub.is_dir() and not sub.name.startswith(".") and meta.is_file():
-            try:
-                saved_at = float(json.loads(meta.read_text(encoding="utf-8")).get("saved_at", 0.0))
-            except (OSError, ValueError):
-                saved_at = 0.0
-            found.append((saved_at, sub.name))
+    try:
+        subs = list(directory.iterdir()) if directory.is_dir() else []
+    except OSError:
+        subs = []
+    for sub in subs:
+        if not _is_tag_name(sub.name) or sub.is_symlink() or not sub.is_dir():
+            continue
+        try:
+            meta = _read_meta(sub)
+            check_regular_file(sub / ENGINE_STATE_NAME)
+        except (OSError, ValueError):
+            continue
+        found.append((float(meta["saved_at"]), sub.name))
     return [name for _, name in sorted(found)]
+
+
+def _is_tag_name(name: str) -> bool:
+    return bool(_TAG_RE.match(name)) and name != LATEST_NAME and not name.endswith(".tmp")
 
 
 # --------------------------------------------------------------------------- save
@@ -306,21 +325,56 @@ def save_training_checkpoint(
 
 # --------------------------------------------------------------------------- load
 def _read_meta(tag_dir: Path) -> dict[str, Any]:
+    """A tag's `ds_engine_meta.json`: bounded (size, nesting), a dict of the keys loading reads.
+
+    Raises:
+        ValueError: The file is not valid JSON, of another format, or a key is missing or of
+            the wrong type (named, with a HINT). UnsafeCheckpointError for a link or special file.
+    """
     path = tag_dir / CHECKPOINT_META_NAME
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
+    meta = read_json_bounded(path, "the file is truncated or corrupt; load an older tag with `tag=...`.")
+    if not isinstance(meta, dict):
         raise ValueError(
-            f"checkpoint file {str(path)!r} is not valid JSON ({exc}). HINT: the file is truncated or "
-            "corrupt; load an older tag with `tag=...`."
-        ) from None
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            f"{str(path)!r} holds a JSON {type(meta).__name__}; allowed: a JSON object (the metadata "
+            "ds_engine writes). HINT: the file was changed after ds_engine wrote it; restore it, or load "
+            "an older tag with `tag=...`."
+        )
+    if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(
-            f"{str(path)!r} has format {meta.get('format') if isinstance(meta, dict) else meta!r}; this "
-            f"ds_engine reads format {CHECKPOINT_FORMAT}. HINT: load it with the ds_engine version that "
-            "wrote it."
+            f"{str(path)!r} has format {_short(meta.get('format'))}; this ds_engine reads format "
+            f"{CHECKPOINT_FORMAT}. HINT: load it with the ds_engine version that wrote it."
+        )
+    for key, (check, allowed) in _META_KEYS.items():
+        if key in meta and check(meta[key]):
+            continue
+        found = f"is {_short(meta[key])}" if key in meta else "is missing"
+        raise ValueError(
+            f"checkpoint file {str(path)!r}: `{key}` {found}; allowed: {allowed}. HINT: the file was "
+            "changed after ds_engine wrote it; restore it, or load an older tag with `tag=...`."
         )
     return meta
+
+
+def _is_int(value: Any, low: int, high: float = float("inf")) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# What loading reads of a tag's metadata: key -> (check, what is allowed). Other keys are kept.
+_META_KEYS: dict[str, tuple[Any, str]] = {
+    "backend": (lambda v: isinstance(v, str) and bool(v), "a backend name such as 'deepspeed'"),
+    "precision": (lambda v: isinstance(v, str), "a precision such as 'bf16'"),
+    "world_size": (lambda v: _is_int(v, 1), "a positive int"),
+    "zero_stage": (lambda v: v is None or _is_int(v, 0, 3), "null or 0, 1, 2, 3"),
+    "saved_at": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"),
+        "a time in seconds",
+    ),
+}
 
 
 def resolve_checkpoint(
@@ -348,7 +402,7 @@ def resolve_checkpoint(
     tags = _tags(root)
     if tag is None:
         latest = root / LATEST_NAME
-        if not latest.is_file():
+        if not os.path.lexists(latest):
             if (root / CHECKPOINT_META_NAME).is_file():
                 raise ValueError(
                     f"{str(root)!r} is a tag folder, not a checkpoint folder. HINT: pass its parent "
@@ -359,36 +413,46 @@ def resolve_checkpoint(
                 f"{listing(root)}. HINT: pass the folder given to `engine.save_checkpoint`"
                 + (f", or one of its tags with `tag=` ({', '.join(tags)})." if tags else ".")
             )
-        tag = latest.read_text(encoding="utf-8").strip()
-    tag_dir = root / tag
-    if not tag_dir.is_dir():
-        raise FileNotFoundError(
-            f"tag {tag!r} not found in {str(root)!r}; tags found: {', '.join(tags) or 'none'}. "
-            "HINT: pass one of them with `tag=`."
-        )
-    if not (tag_dir / CHECKPOINT_META_NAME).is_file():
+    # a plain name of a real sub-folder: neither `latest` nor `tag=` reaches another folder
+    tag, tag_dir = confined_tag(
+        root, tag, option="tag=", tags=lambda: ", ".join(tags) or "none", latest=LATEST_NAME
+    )
+    if not os.path.lexists(tag_dir / CHECKPOINT_META_NAME):
         raise ValueError(
             f"{str(tag_dir)!r} is not a ds_engine checkpoint tag (no `{CHECKPOINT_META_NAME}`); found: "
             f"{listing(tag_dir)}. HINT: point at a folder written by `engine.save_checkpoint` (a raw "
             "DeepSpeed checkpoint can be turned into weights with `ds-engine consolidate`)."
         )
     meta = _read_meta(tag_dir)
-    if not (tag_dir / ENGINE_STATE_NAME).is_file():
+    if not os.path.lexists(tag_dir / ENGINE_STATE_NAME):
         raise ValueError(
             f"{str(tag_dir)!r} lacks `{ENGINE_STATE_NAME}`; the checkpoint is incomplete. HINT: load "
             "an older tag with `tag=`."
         )
-    # Every file's pickle goes through the restricted unpickler now (tensor data stays mapped,
-    # unread): a truncated file, or one asking for anything off the allowlist, is refused here
-    # on rank 0 and the error reaches every rank, instead of one rank failing inside DeepSpeed's
-    # collective load while the others wait. DeepSpeed's own loads are restricted again later.
+    # Every file a load reads goes through the restricted unpickler now (tensor data stays
+    # mapped, unread; the pickle bounded): a truncated file, a link, a FIFO, or one asking for
+    # anything off the allowlist, is refused here on rank 0 and the error reaches every rank,
+    # instead of one rank failing inside DeepSpeed's collective load while the others wait.
+    # DeepSpeed's own loads are restricted again later. Other files are never opened.
     safe_globals = _state_file_globals(meta.get("backend"))
     older = ", ".join(t for t in tags if t != tag) or "none other saved"
-    for path in sorted(tag_dir.glob("*.pt")):
+    for path in _state_files(tag_dir):
         restricted_load(
             path, safe_globals=safe_globals, mmap=True, hint=f"load an older tag with `tag=` ({older})."
         )
     return tag, tag_dir, meta
+
+
+#: The state files a load reads (ds_engine's own; DeepSpeed's model, layer and ZeRO files; the
+#: fallback's `model_states.pt` / `optimizer_states.pt`): DeepSpeed finds its files by these
+#: shapes of name, so a file of another name in a tag folder is never read by anyone.
+_STATE_FILE_PATTERNS = (ENGINE_STATE_NAME, "rng_state_rank*.pt", "*model_states.pt", "*optim*_states.pt")
+
+
+def _state_files(tag_dir: Path) -> list[Path]:
+    """The files of `tag_dir` a load of it reads (links and special files included: refused)."""
+    names = {p.name for pattern in _STATE_FILE_PATTERNS for p in tag_dir.glob(pattern)}
+    return [tag_dir / name for name in sorted(names)]
 
 
 def _state_file_globals(backend_name: Any) -> tuple[Any, ...]:

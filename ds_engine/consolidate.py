@@ -23,7 +23,7 @@ import torch
 
 from ds_engine._io import listing, publish, tmp_sibling, write_json
 from ds_engine._values import parse_size
-from ds_engine.safety import deepspeed_safe_globals, restricted_load, restricted_torch_load
+from ds_engine.safety import confined_tag, deepspeed_safe_globals, restricted_load, restricted_torch_load
 from ds_engine.weights import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -57,22 +57,21 @@ def _resolve_tag(checkpoint_dir: Path, tag: str | None) -> tuple[str, Path]:
             f"checkpoint folder {str(checkpoint_dir)!r} does not exist (or is not a folder). "
             "HINT: pass the folder given to `save_checkpoint` (the one holding `latest`)."
         )
-    if tag is None:
-        latest = checkpoint_dir / "latest"
-        if not latest.is_file():
-            raise FileNotFoundError(
-                f"{str(checkpoint_dir)!r} has no `latest` file, so no tag to consolidate; found: "
-                f"{listing(checkpoint_dir)}. HINT: pass `--tag TAG` (a sub-folder name) or the "
-                "folder given to `save_checkpoint`."
-            )
-        tag = latest.read_text().strip()
-    tag_dir = checkpoint_dir / tag
-    if not tag_dir.is_dir():
-        tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir()]
+    if tag is None and not os.path.lexists(checkpoint_dir / "latest"):
         raise FileNotFoundError(
-            f"tag {tag!r} not found in {str(checkpoint_dir)!r}; tags found: {sorted(tags) or 'none'}. "
-            "HINT: pass one of them with `--tag`."
+            f"{str(checkpoint_dir)!r} has no `latest` file, so no tag to consolidate; found: "
+            f"{listing(checkpoint_dir)}. HINT: pass `--tag TAG` (a sub-folder name) or the "
+            "folder given to `save_checkpoint`."
         )
+    # a plain name of a real sub-folder: neither `latest` nor `--tag` reaches another folder
+    tag, tag_dir = confined_tag(
+        checkpoint_dir,
+        tag,
+        option="--tag ",
+        tags=lambda: str(
+            sorted(p.name for p in checkpoint_dir.iterdir() if p.is_dir() and not p.is_symlink()) or "none"
+        ),
+    )
     if not list(tag_dir.glob("*model_states.pt")):
         raise ValueError(
             f"{str(tag_dir)!r} is not a DeepSpeed checkpoint (no `*model_states.pt`); found: "

@@ -11,19 +11,35 @@ point the unpickler would build it, with `UnsafeCheckpointError` naming the file
 * `restricted_torch_load` -- a scope in which every `torch.load` of this process, and of the
   processes it starts, is restricted the same way, whatever `weights_only` the caller passes
   (DeepSpeed's loader, `zero_to_fp32` and `ds_to_universal` pass `weights_only=False`).
+
+Both open regular files only (never a symbolic link, a FIFO or a device: `check_regular_file`)
+and bound what a file may inflate to before unpickling it: the pickled structure of a zip
+archive (its `data.pkl`, and any compressed entry) by the sizes its zip directory declares, a
+legacy (non-zip) file by its size, against `max_pickle_bytes()` (256 MiB unless
+`DS_ENGINE_MAX_PICKLE_SIZE` says otherwise). Tensor data is not counted: it is mapped or read
+as stored, never inflated.
+
+A checkpoint folder is read the same way: `confined_tag` turns a tag (given, or read from the
+bounded, regular `latest` file) into a plain name of a real sub-folder, never a path elsewhere;
+`read_json_bounded` reads a small JSON file whose size and nesting are bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib
+import json
 import os
 import pickle
 import pickletools
 import re
+import stat
 import threading
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +98,152 @@ def _name_of(file: Any) -> str:
     return str(getattr(file, "name", None) or repr(file))
 
 
+# --------------------------------------------------------------------------- regular files, bounds
+MAX_PICKLE_ENV = "DS_ENGINE_MAX_PICKLE_SIZE"
+#: The default bound on a checkpoint file's pickled structure (tensor data is not counted).
+DEFAULT_MAX_PICKLE_BYTES = 256 * 1024**2
+#: A tag name: letters, digits and _ . + = -, not starting with '.' or '-' (no '/', no '..').
+TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+_LATEST_MAX_BYTES = 4096
+_JSON_MAX_BYTES = 1024**2
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symbolic link"),
+    )
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+def _link_refusal(name: str, what: str = "checkpoint files") -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"refusing to read `{name}`: it is a symbolic link; {what} are read only as regular files "
+        "inside their folder, so that no link makes a load read a file elsewhere. HINT: if you trust "
+        "the file it points to, replace the link by a copy of it (`cp -L`)."
+    )
+
+
+def _open_regular(path: str | os.PathLike[str], what: str = "checkpoint files") -> tuple[int, os.stat_result]:
+    """An open descriptor of `path` and its stat, refusing links and anything but a regular file.
+
+    Opened without following a final symbolic link and without blocking (a FIFO opens at once
+    and is then refused), so neither a link nor a special file is ever read from.
+    """
+    name = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    if os.path.islink(name):
+        raise _link_refusal(name, what)
+    try:
+        fd = os.open(name, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link (it appeared after the check above)
+            raise _link_refusal(name, what) from None
+        raise
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return fd, info
+    os.close(fd)
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+    raise UnsafeCheckpointError(
+        f"refusing to read `{name}`: it is {_kind(info.st_mode)}, not a regular file; {what} are read "
+        "only as regular files (reading a FIFO or a device can block forever or never end). HINT: "
+        "remove it, or put the real file in its place."
+    )
+
+
+def check_regular_file(path: str | os.PathLike[str], what: str = "checkpoint files") -> os.stat_result:
+    """The stat of `path` when it is a regular file, not a symbolic link; refuses anything else.
+
+    Raises:
+        UnsafeCheckpointError: `path` is a symbolic link, a FIFO, a socket or a device (named).
+        IsADirectoryError, FileNotFoundError, PermissionError: as `open` would.
+    """
+    fd, info = _open_regular(path, what)
+    os.close(fd)
+    return info
+
+
+def max_pickle_bytes() -> int:
+    """The bound on a checkpoint file's pickled structure: `DS_ENGINE_MAX_PICKLE_SIZE`, else 256 MiB.
+
+    Raises:
+        ValueError: The environment variable holds no size (named, with an example).
+    """
+    value = os.environ.get(MAX_PICKLE_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_PICKLE_BYTES
+    from ds_engine._values import parse_size
+
+    try:
+        return parse_size(value, name=MAX_PICKLE_ENV)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{MAX_PICKLE_ENV}={value!r} is not a size; allowed: a positive number of bytes with an "
+            f"optional unit (KB, MB, GB, KiB, MiB, GiB). HINT: {MAX_PICKLE_ENV}=1GB."
+        ) from None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _too_big(name: str, what: str, declared: int, limit: int) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"refusing to load `{name}`: {what} {_size(declared)} ({declared} bytes), over the "
+        f"{_size(limit)} limit on what a checkpoint's pickled structure may inflate to (tensor data is "
+        f"not counted). HINT: if you trust the file, raise the limit, e.g. {MAX_PICKLE_ENV}="
+        f"{max(2 * declared, limit) // 1024**2 + 1}MiB."
+    )
+
+
+def _check_bounds(fd: int, info: os.stat_result, name: str, limit: int) -> bool:
+    """Refuse a file whose pickle would inflate past `limit`, before anything is unpickled.
+
+    Returns:
+        True for a zip archive (torch maps those), False for a legacy file.
+    """
+    head = os.pread(fd, 4, 0)
+    if head != _ZIP_MAGIC:  # legacy: the pickles are read straight from the file
+        if info.st_size > limit:
+            what = "it is a legacy (non-zip) torch file, unpickled whole, of"
+            raise _too_big(name, what, info.st_size, limit)
+        return False
+    try:
+        with os.fdopen(os.dup(fd), "rb") as handle, zipfile.ZipFile(handle) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return True  # torch names the corrupt file itself
+    inflating = 0
+    for entry in entries:
+        compressed = entry.compress_type != zipfile.ZIP_STORED
+        storage = "/data/" in entry.filename and not entry.filename.endswith(".pkl")
+        if storage and not compressed:
+            continue  # tensor data, stored as is: mapped or read, bounded by the file itself
+        if entry.file_size > limit:
+            ratio = entry.file_size // max(entry.compress_size, 1)
+            shown = (
+                f"is {_size(entry.compress_size)} compressed ({ratio}:1) and declares"
+                if compressed
+                else "declares"
+            )
+            raise _too_big(name, f"its entry `{entry.filename}` {shown}", entry.file_size, limit)
+        inflating += entry.file_size
+    if inflating > limit:
+        raise _too_big(name, "its pickled and compressed entries declare", inflating, limit)
+    return True
+
+
 def _refused(message: str) -> str | None:
     """What the weights-only unpickler refused, from its error message (None: not a pickle)."""
     patterns = (
@@ -111,12 +273,22 @@ def _refused(message: str) -> str | None:
 
 
 def _torch_load_restricted(
-    file: Any, map_location: Any, mmap: bool, allowed: Sequence[Any], hint: str, load: Callable[..., Any]
+    file: Any,
+    map_location: Any,
+    mmap: bool,
+    allowed: Sequence[Any],
+    hint: str,
+    load: Callable[..., Any],
+    limit: int | None = None,
 ) -> Any:
     name = _name_of(file)
-    if mmap and isinstance(file, (str, os.PathLike)):
-        with open(file, "rb") as handle:  # torch maps only zip archives; a legacy file is read whole
-            mmap = handle.read(4) == b"PK\x03\x04"
+    if isinstance(file, (str, os.PathLike)):
+        fd, info = _open_regular(file)  # never a link, a FIFO or a device
+        try:
+            is_zip = _check_bounds(fd, info, name, max_pickle_bytes() if limit is None else limit)
+        finally:
+            os.close(fd)
+        mmap = mmap and is_zip  # torch maps only zip archives; a legacy file is read whole
     present = torch.serialization.get_safe_globals()  # leave those alone: the scope's, the user's
     try:
         with torch.serialization.safe_globals([g for g in allowed if g not in present]):
@@ -152,6 +324,7 @@ def restricted_load(
     safe_globals: Sequence[Any] = (),
     mmap: bool = False,
     hint: str = "load an earlier checkpoint, or write this one again",
+    max_pickle_size: int | None = None,
 ) -> Any:
     """`torch.load(path, weights_only=True)` on the CPU, allowing `safe_globals` besides torch's own.
 
@@ -161,17 +334,22 @@ def restricted_load(
             `deepspeed_safe_globals()`.
         mmap: Map a zip archive's tensor data instead of reading it (only the pickle is read).
         hint: The fix suggested when the file is truncated or corrupt.
+        max_pickle_size: Bound in bytes on what the file's pickled structure may inflate to;
+            default `max_pickle_bytes()`.
 
     Returns:
         The unpickled object.
 
     Raises:
-        UnsafeCheckpointError: The file asks for something outside the allowlist; names the
+        UnsafeCheckpointError: The file asks for something outside the allowlist, is a symbolic
+            link or not a regular file, or its pickle would inflate past the bound; names the
             file and what was refused. Nothing of the file's choosing ran.
         ValueError: The file is truncated, corrupt, or not a `torch.save` file; names the file.
         OSError: The file cannot be opened.
     """
-    return _torch_load_restricted(path, "cpu", mmap, safe_globals, hint, torch.serialization.load)
+    return _torch_load_restricted(
+        path, "cpu", mmap, safe_globals, hint, torch.serialization.load, max_pickle_size
+    )
 
 
 _scope_lock = threading.Lock()
@@ -241,3 +419,105 @@ def restricted_torch_load(safe_globals: Sequence[Any] = ()) -> Iterator[None]:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
+
+
+# --------------------------------------------------------------------------- checkpoint folders
+def _read_small(path: Path, limit: int, what: str) -> bytes:
+    fd, info = _open_regular(path)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(
+            f"{str(path)!r} is {_size(info.st_size)}, more than the {_size(limit)} {what} may hold. HINT: "
+            "the file is not the one ds_engine or DeepSpeed wrote; restore it, or load another tag."
+        )
+    return data
+
+
+def read_json_bounded(path: Path, hint: str) -> Any:
+    """A small JSON file (at most 1 MiB, a regular file, not a link), parsed.
+
+    Raises:
+        ValueError: Too big, not valid JSON, or nested deeper than Python parses (names the file).
+        UnsafeCheckpointError: A symbolic link or a special file.
+    """
+    data = _read_small(path, _JSON_MAX_BYTES, "a checkpoint's metadata file")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        reason = "it nests deeper than can be parsed"
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        reason = str(exc).split(": line")[0] if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+    raise ValueError(f"checkpoint file {str(path)!r} is not valid JSON ({reason}). HINT: {hint}") from None
+
+
+def is_tag_name(tag: object) -> bool:
+    """True for a plain tag name (`TAG_RE`), which names a sub-folder and nothing else."""
+    return isinstance(tag, str) and bool(TAG_RE.match(tag)) and not tag.endswith(".tmp")
+
+
+def confined_tag(
+    root: Path, tag: str | None, *, option: str, tags: Callable[[], str], latest: str = "latest"
+) -> tuple[str, Path]:
+    """A tag of the checkpoint folder `root` and its sub-folder, confined to `root`.
+
+    The tag is `tag`, else the content of `root/<latest>`, which must be a small regular file
+    (not a link). Either way it must be a plain name (`is_tag_name`: no '/', no '..', not
+    absolute) of a real sub-folder of `root` (not a link), so no content of a checkpoint folder
+    makes a load read another folder. A `latest` that holds no tag name is refused without
+    echoing what it holds.
+
+    Args:
+        root: The checkpoint folder (it may itself be a link; what is inside it may not).
+        tag: The tag asked for, or None for the one `latest` names.
+        option: How the caller passes a tag (e.g. "tag=", "--tag "), for the messages.
+        tags: The tags found in `root`, as the messages show them.
+        latest: The name of the file naming the newest tag.
+
+    Raises:
+        FileNotFoundError: No such tag folder (the tags found are listed).
+        ValueError: The tag, or what `latest` holds, is not a plain name (UnsafeCheckpointError
+            for a link or a special file).
+    """
+    flag = f"`{option.strip()}`"
+    named = ""
+    if tag is None:
+        path = root / latest
+        data = _read_small(path, _LATEST_MAX_BYTES, f"a `{latest}` file")
+        text = data.decode("utf-8", errors="replace").strip()
+        if not is_tag_name(text) or text == latest:
+            raise ValueError(
+                f"{str(path)!r} does not hold a tag name (a sub-folder's plain name: letters, digits and "
+                f"_ . + = -, no '/' or '..'); tags found: {tags()}. HINT: pass one of them with {flag}, "
+                f"or write its name into `{latest}`."
+            )
+        tag, named = text, f" (named by its `{latest}` file)"
+    elif not is_tag_name(tag) or tag == latest:
+        raise ValueError(
+            f"`{option}{tag!r}` is not a tag name; allowed: a sub-folder's plain name (letters, digits and "
+            f"_ . + = -, not starting with '.' or '-', no '/' or '..'). HINT: pass one of "
+            f"the tags found ({tags()})."
+        )
+    folder = root / tag
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"tag {tag!r} not found in {str(root)!r}{named}; tags found: "
+            f"{tags()}. HINT: pass one of them with {flag}."
+        ) from None
+    if stat.S_ISLNK(mode):
+        raise UnsafeCheckpointError(
+            f"refusing to read tag {tag!r}: {str(folder)!r} is a symbolic link; a tag is a real "
+            f"sub-folder of its checkpoint folder, so that no link makes a load read another checkpoint. "
+            f"HINT: pass the folder the link points to as the checkpoint folder, if you trust it."
+        )
+    if not stat.S_ISDIR(mode):
+        raise FileNotFoundError(
+            f"tag {tag!r}{named}: {str(folder)!r} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}, "
+            f"not a tag folder; tags found: {tags()}. HINT: pass one of them "
+            f"with {flag}."
+        )
+    return tag, folder

@@ -459,3 +459,121 @@ def traces(marker_dir: Path, cases: tuple[Hostile, ...] = CASES) -> list[str]:
     """The traces payloads left: marker files or folders, and sentinel modules imported."""
     found = [c.name for c in cases if (marker_dir / c.name).exists()]
     return found + [f"import {m}" for m in SENTINEL_MODULES if m in sys.modules]
+
+
+# =========================================================================== hostile folders
+# A checkpoint folder is untrusted as a whole, not only its pickles: its `latest` file, its tag
+# folders and the names in them may point elsewhere (`..`, an absolute path, a symbolic link),
+# or be something other than a regular file (a FIFO blocks `open` forever). Each case below
+# plants one such thing into a copy of a good checkpoint folder `root`, beside which lies
+# `outside`, another good checkpoint of the same layout that must never be read. Only files
+# a load reads matter: a stray FIFO that nothing needs is left alone (the last cases).
+#
+# `tests/unit/test_checkpoint_confinement.py` runs every case through `Engine.load_checkpoint`
+# (a fallback checkpoint) and `ds-engine consolidate` (a DeepSpeed ZeRO-0 layout).
+
+SECRET_LINE = "s3cr3t-first-line-of-a-system-file"
+
+
+@dataclass(frozen=True)
+class HostileFolder:
+    """`plant(root, tag, victim, outside)` changes `root` and returns the tag to ask for (None:
+    the one `latest` names); `refused` is the error a load must stop with (None: it loads)."""
+
+    name: str
+    plant: Callable[[Path, str, str, Path], str | None]
+    refused: str | None
+
+
+def _latest(text: str) -> Callable[[Path, str, str, Path], str | None]:
+    def plant(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+        (root / "latest").write_text(text.format(outside=outside, tag=tag))
+        return None
+
+    return plant
+
+
+def _latest_link_to_secret(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    secret = outside.parent / "passwd"
+    secret.write_text(f"{SECRET_LINE}\nsecond line\n")
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(secret)
+    return None
+
+
+def _latest_huge(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / "latest").write_text(tag + "\n" * (8 * 1024**2))
+    return None
+
+
+def _mkfifo(path: Path) -> None:
+    import os
+
+    os.mkfifo(path)
+
+
+def _latest_fifo(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / "latest").unlink()
+    _mkfifo(root / "latest")
+    return None
+
+
+def _tag_link_outside(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / "other").symlink_to(outside / tag, target_is_directory=True)
+    (root / "latest").write_text("other")
+    return None
+
+
+def _state_link_outside(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / tag / victim).unlink()
+    (root / tag / victim).symlink_to(outside / tag / victim)
+    return None
+
+
+def _state_fifo(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / tag / victim).unlink()
+    _mkfifo(root / tag / victim)
+    return None
+
+
+def _stray_fifo(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    _mkfifo(root / tag / "extra_notes.pt")  # a `*.pt` no load reads
+    return None
+
+
+def _stray_link(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / tag / "backup.pt").symlink_to(outside / tag / victim)
+    return None
+
+
+def _tag_argument(text: str) -> Callable[[Path, str, str, Path], str | None]:
+    def plant(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+        return text.format(outside=outside, tag=tag)
+
+    return plant
+
+
+_NOT_A_TAG = r"does not hold a tag name .*HINT: pass one of them with `(tag=|--tag)`"
+_LINK = r"is a symbolic link; .*HINT: "
+
+FOLDER_CASES: tuple[HostileFolder, ...] = (
+    HostileFolder("latest_dotdot", _latest("../outside/{tag}"), _NOT_A_TAG),
+    HostileFolder("latest_dotdot_deep", _latest("../../{outside}/{tag}"), _NOT_A_TAG),
+    HostileFolder("latest_absolute", _latest("{outside}/{tag}"), _NOT_A_TAG),
+    HostileFolder("latest_dot", _latest("."), _NOT_A_TAG),
+    HostileFolder("latest_is_latest", _latest("latest"), _NOT_A_TAG),
+    HostileFolder("latest_link_to_a_system_file", _latest_link_to_secret, r"latest`: it is a symbolic link"),
+    HostileFolder(
+        "latest_huge", _latest_huge, r"latest' is 8\.0 MiB, more than the 4\.0 KiB a `latest` file may"
+    ),
+    HostileFolder("latest_fifo", _latest_fifo, r"latest`: it is a FIFO \(named pipe\), not a regular file"),
+    HostileFolder("tag_folder_link_outside", _tag_link_outside, r"refusing to read tag 'other': .*" + _LINK),
+    HostileFolder(
+        "state_file_link_outside", _state_link_outside, r"refusing to read `.*/{victim}`: it " + _LINK
+    ),
+    HostileFolder("state_file_fifo", _state_fifo, r"refusing to read `.*/{victim}`: it is a FIFO .*HINT"),
+    HostileFolder("tag_argument_dotdot", _tag_argument("../outside/{tag}"), r"is not a tag name; .*HINT"),
+    HostileFolder("tag_argument_absolute", _tag_argument("{outside}/{tag}"), r"is not a tag name; .*HINT"),
+    HostileFolder("stray_fifo_nothing_reads", _stray_fifo, None),
+    HostileFolder("stray_link_nothing_reads", _stray_link, None),
+)
