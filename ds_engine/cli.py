@@ -8,10 +8,12 @@ parses arguments and reports.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 
 class CLIError(Exception):
@@ -36,38 +38,91 @@ def _in_flag_terms(message: str, flags: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- config
 _CONFIG_CHOICES: dict[str, tuple[type, dict]] = {
     # EngineConfig field -> (argparse type, extra add_argument kwargs); only given flags are explicit.
-    "zero_stage": (int, {"choices": [0, 1, 2, 3]}),
-    "precision": (str, {"choices": ["fp32", "fp16", "bf16"]}),
-    "gradient_accumulation_steps": (int, {}),
-    "gradient_clipping": (float, {}),
-    "offload_optimizer": (str, {"choices": ["none", "cpu", "nvme"]}),
-    "offload_params": (str, {"choices": ["none", "cpu", "nvme"]}),
-    "nvme_path": (str, {}),
-    "loss_scale": (float, {}),
-    "initial_scale_power": (int, {}),
-    "reduce_bucket_size": (int, {}),
-    "allgather_bucket_size": (int, {}),
-    "stage3_prefetch_bucket_size": (int, {}),
-    "stage3_param_persistence_threshold": (int, {}),
-    "stage3_max_live_parameters": (int, {}),
-    "steps_per_print": (int, {}),
+    "zero_stage": (int, {"choices": [0, 1, 2, 3], "help": "ZeRO stage: 0 data parallel, 1 optimizer states, "
+                                                          "2 +gradients, 3 +parameters partitioned"}),
+    "precision": (str, {"choices": ["fp32", "fp16", "bf16"], "help": "training precision"}),
+    "gradient_accumulation_steps": (int, {"help": "micro-steps per optimizer step"}),
+    "gradient_clipping": (float, {"help": "clip the global gradient norm to this (0: no clipping)"}),
+    "offload_optimizer": (str, {"choices": ["none", "cpu", "nvme"], "help": "where optimizer states live "
+                                                                         "(ZeRO 1-3)"}),
+    "offload_params": (str, {"choices": ["none", "cpu", "nvme"], "help": "where parameters live (ZeRO-3)"}),
+    "nvme_path": (str, {"help": "folder on a local NVMe drive, for nvme offload"}),
+    "loss_scale": (float, {"help": "fp16 static loss scale (0: dynamic)"}),
+    "initial_scale_power": (int, {"help": "fp16 dynamic loss scale starts at 2**this"}),
+    "reduce_bucket_size": (int, {"help": "elements per gradient reduction bucket (auto: hidden_size**2)"}),
+    "allgather_bucket_size": (int, {"help": "elements per all-gather bucket (ZeRO 1-2)"}),
+    "stage3_prefetch_bucket_size": (int, {"help": "ZeRO-3 elements prefetched (auto: 0.9 * hidden_size**2)"}),
+    "stage3_param_persistence_threshold": (int, {"help": "ZeRO-3: parameters below this many elements stay "
+                                                         "whole (auto: 10 * hidden_size)"}),
+    "stage3_max_live_parameters": (int, {"help": "ZeRO-3: most parameter elements gathered at once"}),
+    "steps_per_print": (int, {"help": "DeepSpeed's own progress log every N steps (0: never)"}),
+}  # fmt: skip
+_CONFIG_FLAGS = {
+    "overlap_comm": "overlap gradient reduction with the backward pass",
+    "contiguous_gradients": "copy gradients into one contiguous buffer",
+    "pin_memory": "pin the host memory of offloaded tensors",
+    "activation_checkpointing": "recompute activations in backward (less memory, more compute)",
 }
-_CONFIG_FLAGS = ("overlap_comm", "contiguous_gradients", "pin_memory", "activation_checkpointing")
+#: Every `config` flag's keyword name -> the flag (error messages name flags, not keywords).
+_CONFIG_FLAG_NAMES = {
+    name: "--" + name.replace("_", "-")
+    for name in (*_CONFIG_CHOICES, *_CONFIG_FLAGS, "micro_batch_size", "world_size", "hidden_size")
+}
 
 
 def _add_config(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="build (or --validate) a DeepSpeed JSON config")
+    import dataclasses
+
+    from ds_engine.config import EngineConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    p = sub.add_parser(
+        "config",
+        help="build (or --validate) a DeepSpeed JSON config",
+        description="Print the DeepSpeed JSON config the given choices make (or, with --validate FILE, every "
+        "problem in FILE). Options not given keep ds_engine's default (shown) or, from --base, the base's "
+        "value. Without --micro-batch-size the JSON is a template: batch sizes and the other values "
+        'filled at prepare are left "auto" (ds_engine, and the HF Trainer, fill them).',
+    )
     for name, (typ, extra) in _CONFIG_CHOICES.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, **extra)
-    for name in _CONFIG_FLAGS:
+        shown = {
+            **extra,
+            "help": f"{extra['help']} (default: {'none' if defaults[name] is None else defaults[name]})",
+        }
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, **shown)
+    for name, text in _CONFIG_FLAGS.items():
         p.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, action=argparse.BooleanOptionalAction
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=None,
+            action=argparse.BooleanOptionalAction,
+            help=f"{text} (default: {'on' if defaults[name] else 'off'})",
         )
-    p.add_argument("--micro-batch-size", type=int, default=None, help="per-rank micro batch size")
-    p.add_argument("--base", default=None, help="a DeepSpeed JSON file or a preset name (e.g. zero3)")
-    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default 1)")
-    p.add_argument("--hidden-size", type=int, default=None, help="hidden size for auto bucket sizes")
-    p.add_argument("--validate", metavar="FILE", default=None, help="check FILE and print every problem")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help='per-rank micro batch size (default: none, so the JSON is a template: batch sizes "auto")',
+    )
+    p.add_argument(
+        "--base", default=None, help="a DeepSpeed JSON file or a preset name, e.g. zero3 (default: none)"
+    )
+    p.add_argument(
+        "--world-size", type=int, default=None, help="data-parallel ranks, for train_batch_size (default: 1)"
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="model hidden size, for the auto bucket sizes (default: DeepSpeed's bucket sizes)",
+    )
+    p.add_argument(
+        "--validate",
+        metavar="FILE",
+        default=None,
+        help='check FILE and print every problem; "auto" values are reported as filled at prepare '
+        "(default: none, build a config)",
+    )
     p.set_defaults(func=_run_config)
 
 
@@ -76,11 +131,34 @@ def _run_config(args: argparse.Namespace) -> int:
 
     from ds_engine.config import ConfigError, EngineConfig, load_json_config
     from ds_engine.ds_config import build_ds_config, validate_ds_config
+    from ds_engine.ds_schema import auto_keys
 
+    template = args.micro_batch_size is None
+    if args.validate is None and template:
+        facts = (("--world-size", args.world_size), ("--hidden-size", args.hidden_size))
+        given = [flag for flag, value in facts if value is not None]
+        if given:
+            raise CLIError(
+                f"`{given[0]}` is only used for a complete config, which needs `--micro-batch-size`; without "
+                'it the JSON is a template whose batch and bucket sizes are "auto", filled at prepare. '
+                f"HINT: add --micro-batch-size 8, or drop {given[0]}"
+            )
+        nvme = [
+            f"--{k.replace('_', '-')}"
+            for k in ("offload_optimizer", "offload_params")
+            if getattr(args, k) == "nvme"
+        ]
+        if nvme and args.nvme_path is None:  # a preset leaves the folder open; a command line names it
+            raise CLIError(
+                f'`--nvme-path` is required when `{nvme[0]}` = "nvme" (allowed: a folder on a fast local '
+                'NVMe drive). HINT: pass --nvme-path "/local_nvme/ds_swap"'
+            )
     # DeepSpeed logs to stdout when imported (for its config models): keep stdout pure JSON/report.
     with contextlib.redirect_stdout(sys.stderr):
         if args.validate is not None:
-            problems = validate_ds_config(load_json_config(args.validate), world_size=args.world_size)
+            loaded = load_json_config(args.validate)
+            autos = auto_keys(loaded)  # a template: "auto" values are filled at prepare
+            problems = validate_ds_config(loaded, world_size=args.world_size, partial=bool(autos))
         else:
             names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
             choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
@@ -91,21 +169,37 @@ def _run_config(args: argparse.Namespace) -> int:
                     base=args.base,
                     micro_batch_size=args.micro_batch_size,
                     hidden_size=args.hidden_size,
+                    resolve=not template,
                 )
-            except ConfigError as exc:  # every problem, still on the one error line
-                if len(exc.problems) < 2:
-                    raise
-                listed = " ".join(f"[{i}] {p}" for i, p in enumerate(exc.problems, start=1))
-                raise CLIError(f"{len(exc.problems)} configuration problems: {listed}") from None
+            except ConfigError as exc:  # every problem, still on the one error line, in flag terms
+                # a problem about the --base file names its JSON keys, which keep their names
+                shown = [
+                    p if re.search(r"\((in|from) [^)]+\)", p) else _in_flag_terms(p, _CONFIG_FLAG_NAMES)
+                    for p in exc.problems
+                ]
+                if len(shown) < 2:
+                    raise CLIError(
+                        shown[0] if shown else _in_flag_terms(str(exc), _CONFIG_FLAG_NAMES)
+                    ) from None
+                listed = " ".join(f"[{i}] {p}" for i, p in enumerate(shown, start=1))
+                raise CLIError(f"{len(shown)} configuration problems: {listed}") from None
     if args.validate is None:
         print(json.dumps(ds, indent=2))
+        if template:
+            print(
+                'note: no --micro-batch-size, so this is a template: its "auto" values are filled at prepare '
+                "(by ds_engine's Engine, or the Hugging Face Trainer)",
+                file=sys.stderr,
+            )
         return 0
     for problem in problems:
         print(problem)
     if problems:
         print(f"{len(problems)} problem(s) in {args.validate}", file=sys.stderr)
         return 2
-    print("OK")
+    for key in autos:
+        print(f'filled at prepare: {key} = "auto"')
+    print(f"OK (a template: {len(autos)} value(s) filled at prepare)" if autos else "OK")
     return 0
 
 
@@ -116,9 +210,10 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--model",
         help="local HF model folder or its config.json: the model is built on the meta device (no memory, "
-        "no download) from transformers' own classes only, to count its parameters",
+        "no download) from transformers' own classes only, to count its parameters (this or --params "
+        "is required)",
     )
-    what.add_argument("--params", help="parameter count, e.g. 1.3e9 or 7B")
+    what.add_argument("--params", help="parameter count, e.g. 1.3e9 or 7B (this or --model is required)")
     p.add_argument(
         "--largest-layer",
         help="parameters of the largest single layer (the one ZeRO-3 gathers); default: counted from "
@@ -179,7 +274,6 @@ _ESTIMATE_FLAGS = {
 def _run_estimate(args: argparse.Namespace) -> int:
     import math
     from collections.abc import Callable
-    from typing import Any
 
     from ds_engine import memory
     from ds_engine._values import parse_size
@@ -275,18 +369,47 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         "Multi-node: run the same command on every node, either with --nnodes K --node-rank R "
         "--master-addr A --master-port P (static) or with --nnodes K --rdzv-endpoint HOST:PORT (c10d).",
     )
-    p.add_argument("--nproc-per-node", default="1", help="processes on this node (int, or auto/cpu/gpu)")
-    p.add_argument("--nnodes", default="1", help="number of nodes (MIN:MAX with --rdzv-endpoint)")
-    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
-    p.add_argument("--master-addr", default=None, help="address of node 0 (static rendezvous)")
-    p.add_argument("--master-port", type=int, default=None, help="port on node 0 (static rendezvous)")
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (elastic)")
-    p.add_argument("--rdzv-id", default="ds-engine", help="job id shared by all nodes (elastic)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure (default 0)")
+    p.add_argument(
+        "--nproc-per-node",
+        default="1",
+        help="processes on this node: an int, or auto/cpu/gpu (default: %(default)s)",
+    )
+    p.add_argument(
+        "--nnodes", default="1", help="number of nodes, MIN:MAX with --rdzv-endpoint (default: %(default)s)"
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's rank, static rendezvous (default: 0 on one node)",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        help="address of node 0, static rendezvous (default: torchrun's, this host)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="port on node 0, static rendezvous (default: torchrun's)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the c10d rendezvous, elastic (default: static rendezvous)",
+    )
+    p.add_argument(
+        "--rdzv-id", default="ds-engine", help="job id shared by all nodes, elastic (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-restarts", type=int, default=0, help="restarts after a failure (default: %(default)s)"
+    )
     p.add_argument(
         "--config",
         default=None,
-        help="preset name (zero3, ...) or DeepSpeed JSON; exported as DS_ENGINE_CONFIG for Engine()",
+        help="preset name (zero3, ...) or DeepSpeed JSON, exported as DS_ENGINE_CONFIG for Engine() "
+        "(default: none, the script's own choices)",
     )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -342,7 +465,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- env
 def _add_env(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="versions, the backend `auto` picks, and whether CPU Adam is built")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text (default: text)")
     p.set_defaults(func=_run_env)
 
 
@@ -369,7 +492,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
         'Needs matplotlib: pip install "ds-engine[matplotlib]".',
     )
     p.add_argument("metrics", metavar="METRICS", help="the run's metrics.jsonl")
-    p.add_argument("-o", "--output", default=None, help="PNG to write (default: METRICS with .png suffix)")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default: METRICS with a .png suffix)")
     p.set_defaults(func=_run_plot)
 
 
@@ -382,28 +505,64 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # exact flags only: `--zero-stag 3` is an error
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
         # argparse's own errors: keep them to one line plus the usage, exit 2.
         self.print_usage(sys.stderr)
         self.exit(2, f"ds-engine: error: {message}\n")
 
 
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """ "; did you mean --zero-stage?" for each misspelt flag in `unknown` close to one of `parser`'s."""
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    hints = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    return "".join(f"; {hint}" for hint in hints)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ds_engine._version import __version__
+
     parser = _Parser(prog="ds-engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_config, _add_estimate, _add_launch, _add_consolidate, _add_env, _add_plot):
         add(sub)
+    parser.set_defaults(commands=sub.choices)
     return parser
+
+
+#: Errors caused by what the user gave (a value, a file, a folder, a missing extra): one line and
+#: exit 2. Anything else is a bug in ds_engine and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    CLIError,
+    ValueError,  # ConfigError, LaunchError, UnsafeCheckpointError and the plain ones
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    ImportError,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ds-engine` console script."""
-    from ds_engine.config import ConfigError
-
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = args.commands.get(args.command, parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
     try:
         return int(args.func(args) or 0)
-    except (CLIError, ConfigError, FileNotFoundError, ValueError, ImportError) as exc:
+    except USER_ERRORS as exc:
         message = str(exc).strip().replace("\n", " ")
         print(f"ds-engine: error: {message}", file=sys.stderr)
         return 2

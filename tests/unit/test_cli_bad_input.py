@@ -303,3 +303,41 @@ def test_engine_refuses_a_config_file_with_a_duplicate_key(tmp_path: Path) -> No
     path = _write(tmp_path / "ds.json", DUPLICATE_ZERO)
     with pytest.raises(ConfigError, match=r"ds\.json` writes the key 'zero_optimization' twice.*HINT: merge"):
         Engine(config=str(path), backend="accelerate")
+
+
+def test_a_plot_output_that_is_a_folder_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    metrics = _write(tmp_path / "metrics.jsonl", '{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "out.png").mkdir()
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "out.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-engine: error: ") and "out.png" in err and "Traceback" not in err
+
+
+def test_an_internal_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import ds_engine.plot
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a bug in ds_engine")
+
+    monkeypatch.setattr(ds_engine.plot, "plot_metrics", broken)
+    with pytest.raises(TypeError, match="a bug in ds_engine"):
+        main(["plot", str(tmp_path / "metrics.jsonl")])
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "minimum"),
+    [("WORLD_SIZE", "abc", 1), ("LOCAL_RANK", "x", 0), ("WORLD_SIZE", "0", 1), ("LOCAL_RANK", "-1", 0)],
+)
+def test_env_int_names_the_variable_and_its_value(name: str, value: str, minimum: int) -> None:
+    from ds_engine._values import env_int
+
+    with pytest.raises(
+        ValueError,
+        match=rf"environment variable {name}='{value}' is not an integer >= {minimum}\. HINT: unset {name}",
+    ):
+        env_int(name, 1, minimum=minimum, environ={name: value})
+    assert env_int(name, 7, minimum=minimum, environ={}) == 7
+    assert env_int(name, 7, minimum=minimum, environ={name: " 3 "}) == 3

@@ -65,19 +65,26 @@ def test_config_with_preset_base(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (
             ["config", "--zero-stage", "2", "--offload-params", "cpu", "--micro-batch-size", "1"],
-            "`offload_params`",
+            '`--offload-params` = "cpu" needs ZeRO stage 3, got `--zero-stage` = 2',
         ),
         (
             ["config", "--gradient-accumulation-steps", "0", "--micro-batch-size", "1"],
-            "`gradient_accumulation_steps`",
+            "`--gradient-accumulation-steps` = 0 is invalid",
         ),
-        (["config", "--zero-stage", "1"], "`train_micro_batch_size_per_gpu`"),
+        (
+            ["config", "--zero-stage", "1", "--world-size", "2"],
+            "`--world-size` is only used for a complete config",
+        ),
+        (
+            ["config", "--zero-stage", "3", "--offload-params", "nvme", "--micro-batch-size", "1"],
+            'HINT: pass --nvme-path "/local_nvme/ds_swap"',
+        ),
         (
             ["config", "--base", "zero3", "--zero-stage", "1", "--micro-batch-size", "1"],
             "`zero_optimization.stage`",
         ),
         (["config", "--base", "nosuch", "--micro-batch-size", "1"], "`nosuch` is not a preset"),
-        (["config", "--world-size", "0", "--micro-batch-size", "1"], "`world_size`"),
+        (["config", "--world-size", "0", "--micro-batch-size", "1"], "`--world-size` = 0 is invalid"),
     ],
 )
 def test_config_user_errors_exit_2_with_one_line(
@@ -125,11 +132,10 @@ def test_validate_ok_and_problems(tmp_path, capsys: pytest.CaptureFixture[str]) 
     assert main(["config", "--validate", str(bad)]) == 2
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 2, lines  # "auto" is no problem in a template: it is filled at prepare
     assert any("`gradient_clippin`" in line and "`gradient_clipping`" in line for line in lines)
-    assert any('`train_micro_batch_size_per_gpu` = "auto"' in line for line in lines)
     assert any("`zero_optimization.stage` = 7" in line for line in lines)
-    assert "3 problem(s)" in captured.err
+    assert "2 problem(s)" in captured.err
 
 
 def test_validate_corrupt_file_is_one_line_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,11 +160,39 @@ def test_config_reports_every_problem_on_its_one_error_line(
     )
 
 
-def test_config_without_micro_batch_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["config", "--zero-stage", "2"]) == 2
-    err = capsys.readouterr().err
-    assert '`train_micro_batch_size_per_gpu` = "auto" is left over' in err
-    assert "ds-engine config: --micro-batch-size" in err
+def test_config_without_micro_batch_prints_a_template(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--zero-stage", "3", "--gradient-accumulation-steps", "4"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # stdout is the JSON alone
+    assert out["zero_optimization"]["stage"] == 3 and out["gradient_accumulation_steps"] == 4
+    assert out["train_micro_batch_size_per_gpu"] == "auto" and out["train_batch_size"] == "auto"
+    assert 'a template: its "auto" values are filled at prepare' in captured.err
+
+
+def test_a_printed_template_is_accepted_by_the_engine(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    from ds_engine import Engine
+
+    assert main(["config", "--zero-stage", "2", "--precision", "bf16"]) == 0
+    path = tmp_path / "ds.json"
+    path.write_text(capsys.readouterr().out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(config=str(path), backend="accelerate")
+    assert engine.config.zero_stage == 2 and engine.config.precision == "bf16"
+    assert main(["config", "--validate", str(path)]) == 0
+    assert "OK (a template:" in capsys.readouterr().out
+
+
+def test_validate_accepts_every_shipped_preset_as_a_template(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_engine.ds_config import PRESETS, preset_path
+
+    for name in PRESETS:
+        assert main(["config", "--validate", str(preset_path(name))]) == 0, name
+        out = capsys.readouterr().out
+        assert 'filled at prepare: train_micro_batch_size_per_gpu = "auto"' in out, (name, out)
+        assert "OK (a template: " in out.splitlines()[-1], (name, out)
 
 
 def test_validate_lists_optimizer_scheduler_and_misspelt_keys(
@@ -201,3 +235,61 @@ def test_config_builds_from_every_preset_name(capsys: pytest.CaptureFixture[str]
         assert main(argv) == 0, name
         out = json.loads(capsys.readouterr().out)
         assert out["train_batch_size"] == 2 and "auto" not in json.dumps(out), name
+
+
+# --------------------------------------------------------------------------- the parser itself
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_engine import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ds-engine {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "suggestion"),
+    [
+        (
+            ["config", "--zero-stag", "3"],
+            "--zero-stag: did you mean --zero-stage?",
+        ),  # a prefix: no abbreviations
+        (["config", "--zero-stgae", "3"], "--zero-stgae: did you mean --zero-stage?"),
+        (["estimate", "--params", "7B", "--gpus-per-nod", "2"], "did you mean --gpus-per-node?"),
+        (["estimate", "--params", "7B", "--hedroom=0.3"], "--hedroom: did you mean --headroom?"),
+        (["launch", "--nproc", "2", "train.py"], "--nproc: did you mean --nproc-per-node?"),
+        (["plot", "m.jsonl", "--ouput", "x.png"], "--ouput: did you mean --output?"),
+    ],
+)
+def test_exact_flags_only_with_a_suggestion(
+    argv: list[str], suggestion: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: ds-engine {argv[0]} "), err  # the subcommand's usage, not the top one
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ds-engine: error: unrecognized arguments: ") and suggestion in last, last
+
+
+def test_every_option_has_help_and_says_its_default() -> None:
+    import argparse
+
+    from ds_engine.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, sub in commands.items():
+        if name == "consolidate":  # its options are maintained with the consolidation code
+            continue
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = action.help or ""
+            store_true = isinstance(action, argparse._StoreTrueAction)
+            says_default = "default" in text or "is required" in text
+            if not text or not (store_true or says_default):
+                missing.append(f"{name} {action.option_strings[0]}: {text!r}")
+    assert missing == []
