@@ -577,3 +577,69 @@ FOLDER_CASES: tuple[HostileFolder, ...] = (
     HostileFolder("stray_fifo_nothing_reads", _stray_fifo, None),
     HostileFolder("stray_link_nothing_reads", _stray_link, None),
 )
+
+
+# =========================================================================== inflation bombs
+# A pickle need not be large on disk to be large in memory: a zip entry is deflated, and torch's
+# reader inflates the whole `data.pkl` before unpickling a byte of it. `deflate_bomb` writes a
+# torch zip archive of about 2 MiB whose `data.pkl`, one string, inflates to `inflated` bytes
+# (2 GiB by default). Built without ever holding the inflated bytes: after a full flush the
+# compressor has no history, so each repeated megabyte compresses to the same bytes.
+
+
+def _zip_entry(name: str, data: bytes, method: int, crc: int, size: int, offset: int) -> tuple[bytes, bytes]:
+    """(local header + data, central directory record) of one zip entry, sizes under 4 GiB."""
+    raw = name.encode()
+    common = struct.pack("<HHHHHIII", 20, 0, method, 0, 0x21, crc, len(data), size)
+    local = struct.pack("<I", 0x04034B50) + common + struct.pack("<HH", len(raw), 0) + raw + data
+    central = (
+        struct.pack("<IH", 0x02014B50, 20)
+        + common
+        + struct.pack("<HHHHHII", len(raw), 0, 0, 0, 0, 0, offset)
+        + raw
+    )
+    return local, central
+
+
+def deflate_bomb(path: Path, inflated: int = 2 * 1024**3) -> Path:
+    """A `torch.save` zip archive whose deflated `data.pkl` is one string of about `inflated` bytes."""
+    import io
+    import zipfile
+    import zlib
+
+    chunk_size = 1024**2
+    count = max(1, inflated // chunk_size)
+    head = pickle.PROTO + b"\x02" + pickle.BINUNICODE + struct.pack("<I", count * chunk_size)
+    tail = pickle.STOP
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = b"a" * chunk_size
+    first = compressor.compress(head) + compressor.flush(zlib.Z_FULL_FLUSH)
+    piece = compressor.compress(chunk) + compressor.flush(zlib.Z_FULL_FLUSH)
+    again = compressor.compress(chunk) + compressor.flush(zlib.Z_FULL_FLUSH)
+    assert piece == again  # no history after a full flush: every megabyte deflates alike
+    last = compressor.compress(tail) + compressor.flush(zlib.Z_FINISH)
+    crc = zlib.crc32(head)
+    for _ in range(count):
+        crc = zlib.crc32(chunk, crc)
+    crc = zlib.crc32(tail, crc)
+    deflated = first + piece * count + last
+    size = len(head) + count * chunk_size + len(tail)
+
+    template = io.BytesIO()
+    torch.save("x", template)
+    with zipfile.ZipFile(template) as archive:
+        others = [(i.filename, archive.read(i)) for i in archive.infolist()]
+    pickle_name = next(name for name, _ in others if name.endswith("data.pkl"))
+    locals_, centrals, offset = [], [], 0
+    for name, data in others:
+        if name == pickle_name:
+            local, central = _zip_entry(name, deflated, zipfile.ZIP_DEFLATED, crc, size, offset)
+        else:
+            local, central = _zip_entry(name, data, zipfile.ZIP_STORED, zlib.crc32(data), len(data), offset)
+        locals_.append(local)
+        centrals.append(central)
+        offset += len(local)
+    directory = b"".join(centrals)
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(centrals), len(centrals), len(directory), offset, 0)
+    path.write_bytes(b"".join(locals_) + directory + end)
+    return path
