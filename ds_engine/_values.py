@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_size", "words"]
+__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_size", "read_regular_file", "words"]
 
 #: DeepSpeed's word for "fill this value in from the facts" (and ds_engine's, for the same).
 AUTO = "auto"
@@ -133,3 +134,27 @@ def env_int(name: str, default: int, *, minimum: int = 0, environ: Mapping[str, 
             f"start the script with `ds-engine launch` / torchrun, which set {name} for every process"
         )
     return value
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes.
+
+    Opened without blocking (a FIFO never stalls the caller) and checked on the open
+    descriptor: a FIFO, device or folder, or a file over `limit` (e.g. `/dev/zero`, or a
+    multi-GB file given by mistake) is a ValueError naming `what`, the limit and `hint`.
+    FileNotFoundError propagates for the caller to word.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(path) from None
+    except OSError as exc:
+        raise ValueError(f"{what} cannot be opened ({exc.strerror}). HINT: {hint}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{what} is not a regular file (a folder, FIFO or device). HINT: {hint}")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} is larger than {limit} bytes, the most read. HINT: {hint}")
+    return data

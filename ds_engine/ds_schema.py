@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_engine import ds_blocks
-from ds_engine._values import AUTO, _is_int, _is_number, no_duplicate_keys, words
+from ds_engine._values import AUTO, _is_int, _is_number, no_duplicate_keys, read_regular_file, words
 from ds_engine.errors import ConfigError, config_error, merge_problems, unknown_key
 
 #: ZeRO offload devices (`zero_optimization.offload_*.device`).
@@ -93,6 +93,10 @@ def load_base(base: str | os.PathLike[str] | Mapping[str, Any] | None) -> tuple[
     return load_json_config(path), str(path)
 
 
+#: Largest DeepSpeed JSON file read (a real one is a few KB).
+MAX_JSON_CONFIG_BYTES = 16 * 2**20
+
+
 def load_json_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     """Load a DeepSpeed JSON config from a path, or copy a mapping.
 
@@ -112,17 +116,21 @@ def load_json_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict
             "base", source, "expected a JSON file path or a dict", 'pass base="ds_config.json" or a dict'
         )
     path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a regular file of bounded size: a FIFO or /dev/zero given by mistake never hangs
+        text = read_regular_file(
+            path, MAX_JSON_CONFIG_BYTES, f"DeepSpeed config file `{path}`", "pass a readable UTF-8 JSON file"
+        ).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(
             f"DeepSpeed config file `{path}` does not exist. "
             "HINT: check the path, or pass a preset name such as zero2"
         ) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise ConfigError(
             f"DeepSpeed config file `{path}` cannot be read ({exc}). HINT: pass a readable UTF-8 JSON file"
         ) from None
+    except ValueError as exc:  # not a regular file, too large, unreadable
+        raise ConfigError(str(exc)) from None
     try:
         data = json.loads(text, object_pairs_hook=no_duplicate_keys(f"DeepSpeed config file `{path}`"))
     except json.JSONDecodeError as exc:

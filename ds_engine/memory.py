@@ -465,12 +465,13 @@ def _read_config_file(path: Path) -> tuple[dict[str, Any], str]:
         raise ValueError(
             f"{where} cannot be opened ({exc.strerror}). HINT: pass a readable config.json"
         ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise ValueError(
+            f"{where} is not a regular file. HINT: pass a model folder whose config.json is a file"
+        )
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(
-                f"{where} is not a regular file. HINT: pass a model folder whose config.json is a file"
-            )
         if info.st_size > MAX_CONFIG_BYTES:
             raise ValueError(
                 f"{where} is {info.st_size} bytes; allowed: at most {MAX_CONFIG_BYTES} "

@@ -156,6 +156,31 @@ CASES: list[Case] = [
     Case("config_fifo", lambda t: ["estimate", "--model", str(_fifo(t))], r"is not a regular file"),
     Case("model_folder_missing", lambda t: ["estimate", "--model", str(t / "nope")], r"does not exist"),
     Case(
+        "validate_fifo",
+        lambda t: ["config", "--validate", str(_fifo(t) / "config.json")],
+        r"`.*config\.json` is not a regular file",
+    ),
+    Case(
+        "validate_device",
+        lambda t: ["config", "--validate", "/dev/zero"],
+        r"`/dev/zero` is not a regular file",
+    ),
+    Case(
+        "base_folder",
+        lambda t: ["config", "--base", str(t), "--micro-batch-size", "1"],
+        r"is not a regular file \(a folder",
+    ),
+    Case(
+        "model_is_a_device",
+        lambda t: ["estimate", "--model", "/dev/zero"],
+        r"'/dev/zero' is not a regular file",
+    ),
+    Case(
+        "config_json_is_a_folder",
+        lambda t: ["estimate", "--model", str((t / "m" / "config.json").mkdir(parents=True) or t / "m")],
+        r"config\.json' is not a regular file",
+    ),
+    Case(
         "model_folder_without_config",
         lambda t: ["estimate", "--model", str((t / "e").mkdir() or t / "e")],
         r"has no config.json",
