@@ -271,6 +271,9 @@ _ESTIMATE_FLAGS = {
 }
 
 
+_MAX_RANKS = 1_000_000  # accelerators per node, or nodes: beyond it a number is a typo
+
+
 def _run_estimate(args: argparse.Namespace) -> int:
     import math
     from collections.abc import Callable
@@ -290,6 +293,12 @@ def _run_estimate(args: argparse.Namespace) -> int:
         raise CLIError(
             f"`--headroom` {args.headroom!r} is not a fraction from 0 to 10. HINT: e.g. --headroom 0.2 (20 %)"
         )
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
+        if value > _MAX_RANKS:
+            raise CLIError(
+                f"`{flag}` {value} is more than {_MAX_RANKS:,}, the most this estimate takes. "
+                f"HINT: e.g. {flag} 8"
+            )
     if args.host_budget is not None and args.budget is None:
         raise CLIError(
             f"`--host-budget` {args.host_budget!r} needs `--budget` (the accelerator memory) to recommend. "
