@@ -16,6 +16,7 @@ DeepSpeed is imported lazily, inside functions, so this module imports without i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import warnings
@@ -27,11 +28,20 @@ import torch
 from torch import nn
 
 from ds_engine import weights
-from ds_engine._io import broadcast_from_rank0, current_rank, publish, raise_problem, tmp_sibling, world_size
+from ds_engine._io import (
+    broadcast_from_rank0,
+    current_rank,
+    publish,
+    raise_problem,
+    tmp_sibling,
+    world_size,
+    write_json,
+)
 from ds_engine.consolidate import consolidate_hint
 from ds_engine.safety import (
     UnsafeCheckpointError,
     deepspeed_safe_globals,
+    read_json_bounded,
     restricted_load,
     restricted_torch_load,
 )
@@ -50,6 +60,8 @@ __all__ = [
 
 #: A tag's universal checkpoint sits beside it as ``<tag>.universal`` (a cache, removed with it).
 UNIVERSAL_SUFFIX = ".universal"
+#: Inside it: the fingerprint of the tag it was converted from (`tag_fingerprint`).
+UNIVERSAL_SOURCE_NAME = "ds_engine_source.json"
 
 
 # =========================================================================== weights
@@ -251,19 +263,51 @@ def load_deepspeed_checkpoint(ds_engine: Any, root: Path, tag: str, meta: Mappin
         load_deepspeed_states(ds_engine, root, tag)
 
 
+def tag_fingerprint(tag_dir: Path) -> dict[str, Any]:
+    """What identifies the exact contents of a tag folder: the folder's and each entry's inode,
+    size and modification time (ns). A tag saved again under the same name (a new folder
+    published in its place, new files) differs in all of them; an untouched one in none."""
+
+    def facts(path: Path) -> list[int]:
+        info = path.lstat()
+        return [info.st_ino, info.st_size, info.st_mtime_ns]
+
+    return {
+        "folder": facts(tag_dir),
+        "files": {path.name: facts(path) for path in sorted(tag_dir.iterdir())},
+    }
+
+
+def _cached_universal(target: Path, tag_dir: Path) -> bool:
+    """True when `target` is a universal checkpoint converted from the tag as it is now."""
+    if target.is_symlink() or not target.is_dir():
+        return False
+    try:
+        recorded = read_json_bounded(target / UNIVERSAL_SOURCE_NAME, "it is converted again")
+    except (OSError, ValueError):
+        return False  # none recorded (or junk): converted from who knows what
+    return bool(recorded == json.loads(json.dumps(tag_fingerprint(tag_dir))))
+
+
 def convert_to_universal(tag_dir: Path) -> Path:
     """Convert a DeepSpeed ZeRO tag folder to a universal checkpoint next to it (offline, rank 0).
 
-    The result, ``<tag>.universal`` beside the tag folder, is cached: a second resume on
-    another world size reuses it. Written under a temporary name and renamed into place.
+    The result, ``<tag>.universal`` beside the tag folder, is cached, keyed to the exact tag it
+    came from (`tag_fingerprint`, recorded in it as `ds_engine_source.json`): a second resume
+    on another world size reuses it, and a tag saved again under the same name (as
+    `Accelerator.save_state(dir)` does with tag `state`) is converted again. Written under a
+    temporary name and renamed into place.
     """
     import argparse
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
-    if target.is_dir():  # its files are read through the restricted loader when loaded
+    source = tag_fingerprint(tag_dir)
+    if _cached_universal(target, tag_dir):  # its files are read through the restricted loader
         return target
+    if target.is_symlink():
+        target.unlink()  # never follow it, nor swap it into a temporary name
     tmp = tmp_sibling(target, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     args = argparse.Namespace(
@@ -282,6 +326,7 @@ def convert_to_universal(tag_dir: Path) -> Path:
             restricted_torch_load(deepspeed_safe_globals()),  # it asks for weights_only=False
         ):
             ds_to_universal(args)
+        write_json(tmp / UNIVERSAL_SOURCE_NAME, source)
         publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
