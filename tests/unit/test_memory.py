@@ -364,7 +364,11 @@ def test_cli_model_json(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  
         (["--params", "1e9", "--budget", "80XB"], r"`--budget` size '80XB' is not understood"),
         (["--params", "-3"], r"`--params` count '-3' is not understood"),
         (["--params", "1e9", "--host-budget", "1TB"], r"`--host-budget` '1TB' needs `--budget`"),
-        (["--params", "1e12", "--budget", "1GB"], r"no ZeRO stage/offload choice fits the budget of 1.00 GB"),
+        (
+            ["--params", "1e12", "--budget", "1GB"],
+            r"no ZeRO stage/offload choice fits the budget of 1.00 GB"
+            r".*HINT: add accelerators \(--gpus-per-node / --nodes\)",
+        ),
         (["--params", "1e9", "--nodes", "10000000"], r"`--nodes` 10000000 is more than 1,000,000"),
         (
             ["--params", "1e9", "--gpus-per-node", "0"],
