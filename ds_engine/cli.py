@@ -198,7 +198,10 @@ def _run_config(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {args.validate}", file=sys.stderr)
         return 2
     for key in autos:
-        print(f'filled at prepare: {key} = "auto"')
+        if key.endswith("nvme_path"):  # no fact fills a folder: the user names it
+            print(f'filled from your NVMe folder: {key} = "auto" (Engine(nvme_path=...) or --nvme-path)')
+        else:
+            print(f'filled at prepare: {key} = "auto"')
     print(f"OK (a template: {len(autos)} value(s) filled at prepare)" if autos else "OK")
     return 0
 

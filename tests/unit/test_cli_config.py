@@ -193,6 +193,9 @@ def test_validate_accepts_every_shipped_preset_as_a_template(capsys: pytest.Capt
         out = capsys.readouterr().out
         assert 'filled at prepare: train_micro_batch_size_per_gpu = "auto"' in out, (name, out)
         assert "OK (a template: " in out.splitlines()[-1], (name, out)
+        nvme = [line for line in out.splitlines() if "nvme_path" in line]
+        assert all(line.startswith("filled from your NVMe folder: ") for line in nvme), nvme
+        assert bool(nvme) == ("nvme" in name), (name, out)
 
 
 def test_validate_lists_optimizer_scheduler_and_misspelt_keys(
