@@ -14,6 +14,7 @@ state files): it imports nothing from ds_engine but `safety`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -35,6 +36,7 @@ __all__ = [
     "exchange",
     "fsync_dir",
     "fsync_file",
+    "gather_failures",
     "listing",
     "load_safe",
     "publish",
@@ -43,6 +45,7 @@ __all__ = [
     "save_safe",
     "tmp_sibling",
     "world_size",
+    "write_failure",
     "write_json",
     "write_text_atomic",
 ]
@@ -206,11 +209,25 @@ def exchange(a: Path, b: Path) -> bool:
 
 # --------------------------------------------------------------------------- small safe files
 def save_safe(obj: Any, path: Path, what: str) -> None:
-    """`torch.save`, then prove the file loads with `weights_only=True` (no code on load)."""
+    """`torch.save`, then prove the file loads with `weights_only=True` (no code on load).
+
+    Raises:
+        OSError: The file could not be written (full disk, read-only folder, ...): names the
+            file and the cause, with a HINT; no partial file is left.
+        TypeError: `obj` holds something that cannot be loaded without running code.
+    """
     try:
         torch.save(obj, path)
         torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.PicklingError, pickle.UnpicklingError, AttributeError, TypeError, RuntimeError) as exc:
+        fsync_file(path)
+    except Exception as exc:
+        failure = write_failure(exc, path, what)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from exc
+        if not isinstance(exc, (pickle.PicklingError, pickle.UnpicklingError, AttributeError, TypeError)):
+            raise
         lines = str(exc).splitlines() or [type(exc).__name__]
         detail = next((line.split("error: ")[-1] for line in lines if "Unsupported global" in line), lines[0])
         raise TypeError(
@@ -218,7 +235,88 @@ def save_safe(obj: Any, path: Path, what: str) -> None:
             "tensors, numbers, strings, None, and lists/tuples/dicts of them. HINT: convert it (e.g. "
             "numpy arrays to tensors, objects to dicts) before `save_checkpoint`."
         ) from None
-    fsync_file(path)
+
+
+#: torch's zip writer reports a failed write as a RuntimeError without the OS error behind it
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "iostream error", "file write failed")
+_NEARLY_FULL = 16 * 2**20  # bytes left when a cut-short write is taken for a full disk
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # pragma: no cover
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path.parent, *path.parent.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(folder).free
+    return None  # pragma: no cover - the root is always there
+
+
+def write_failure(exc: BaseException, path: Path, what: str) -> OSError | None:
+    """The OSError to raise for `exc`, raised while writing `path` (`what` it holds), or None
+    when `exc` is no write failure (a pickling problem, say).
+
+    The OS error is found in the exception's chain; torch's zip writer only says ``unexpected
+    pos N vs M`` (or "PytorchStreamWriter failed writing file"): that is a write cut short, taken
+    for a full disk when little space is left. Call it before removing the partial file.
+    """
+    cause: BaseException | None = exc
+    seen = 0
+    while cause is not None and seen < 16:
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return _os_failure(cause.errno, path, what)
+        cause = cause.__cause__ or cause.__context__
+        seen += 1
+    if isinstance(exc, RuntimeError) and "strerror: " in str(exc):  # torch: "open file failed ..."
+        reason = str(exc).split("strerror: ")[-1].splitlines()[0].strip()
+        code = next((c for c in errno.errorcode if os.strerror(c) == reason), None)
+        if code is not None:
+            return _os_failure(code, path, what)
+    if isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _SHORT_WRITE):
+        free = _free_bytes(path)
+        if free is not None and free < _NEARLY_FULL:
+            return _os_failure(errno.ENOSPC, path, what, free=free)
+        return _os_failure(errno.EIO, path, what, free=free, detail=str(exc).splitlines()[0])
+    return None
+
+
+def _os_failure(
+    code: int, path: Path, what: str, *, free: int | None = None, detail: str | None = None
+) -> OSError:
+    free = _free_bytes(path) if free is None else free
+    left = "" if free is None else f"; {_size(free)} free there"
+    reason = os.strerror(code) + (f" (the write was cut short: {detail})" if detail else "")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        hint = "free space on that filesystem, or save to another directory"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "make the folder writable (or mount it read-write), or save to another directory"
+    else:
+        hint = "check that filesystem (its free space and health), or save to another directory"
+    return OSError(code, f"{reason}: could not write {what} to {str(path)!r}{left}. HINT: {hint}.")
+
+
+def gather_failures(error: BaseException | None) -> list[tuple[int, str, int | None]]:
+    """Every rank's failure, the same list on every rank (collective): ``(rank, "Type: message",
+    errno or None)`` for each rank whose `error` is not None, in rank order; [] when none failed.
+
+    One small all_reduce when nothing failed, then one all_gather of the messages; it is also
+    the ranks' meeting point, so call it where a rank that failed would otherwise wait alone.
+    """
+    mine = None
+    if error is not None:
+        mine = (f"{type(error).__name__}: {error}", getattr(error, "errno", None))
+    if not dist_ready() or torch.distributed.get_world_size() == 1:
+        return [] if mine is None else [(current_rank(), *mine)]
+    if not any_rank_failed(mine is not None):
+        return []
+    boxes: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(boxes, mine)
+    return [(rank, str(box[0]), box[1]) for rank, box in enumerate(boxes) if box is not None]
 
 
 def load_safe(path: Path) -> Any:

@@ -922,11 +922,6 @@ class Accelerator(Engine):
                 )
             base = Path(self.project_dir) / "checkpoints"
             base.mkdir(parents=True, exist_ok=True)
-            if self.is_main_process and pc.total_limit is not None:
-                folders = sorted(_numbered(base), key=lambda item: item[0])
-                extra = len(folders) + 1 - int(pc.total_limit)
-                for _, old in folders[: max(extra, 0)]:
-                    shutil.rmtree(old)
             target = base / f"checkpoint_{self.save_iteration}"
             if target.exists():
                 raise ValueError(
@@ -939,9 +934,18 @@ class Accelerator(Engine):
         else:
             target = Path(output_dir).expanduser()
         client = {_CUSTOM_KEY: [obj.state_dict() for obj in self._custom_objects]}
-        self.save_checkpoint(target, tag=_STATE_TAG, client_state=client)
+        existed = target.exists()
+        try:
+            self.save_checkpoint(target, tag=_STATE_TAG, client_state=client)
+        except BaseException:
+            # every rank raises (the save agrees on failures); the folder this call made goes
+            if pc.automatic_checkpoint_naming and not existed and self.is_main_process:
+                _remove_unfinished(target)
+            raise
         if pc.automatic_checkpoint_naming:
             pc.iteration += 1
+            if self.is_main_process and pc.total_limit is not None:
+                _rotate_states(target.parent, keep=int(pc.total_limit), newest=target)
         return str(target)
 
     def load_state(
@@ -956,10 +960,14 @@ class Accelerator(Engine):
             if not source.is_dir():
                 raise ValueError(f"Tried to find {source} but folder does not exist")
         elif pc.automatic_checkpoint_naming and self.project_dir is not None:
-            folders = sorted(_numbered(Path(self.project_dir) / "checkpoints"), key=lambda item: item[0])
+            base = Path(self.project_dir) / "checkpoints"
+            folders = _complete_states(base)
             if not folders:
+                others = sorted(path.name for _, path in _numbered(base))
                 raise FileNotFoundError(
-                    f"no checkpoint_<i> folder under {Path(self.project_dir) / 'checkpoints'}"
+                    f"no complete checkpoint_<i> folder under {str(base)!r}"
+                    + (f" ({', '.join(others)} hold no complete saved state)" if others else "")
+                    + ". HINT: save_state() first, or pass the folder to load_state(input_dir)."
                 )
             source = folders[-1][1]
         else:
@@ -1079,6 +1087,46 @@ def _numbered(base: Path) -> list[tuple[int, Path]]:
         if child.is_dir() and match:
             found.append((int(match.group(1)), child))
     return found
+
+
+def _complete_states(base: Path) -> list[tuple[int, Path]]:
+    """The numbered folders under `base` that hold a complete `save_state`, oldest first: what
+    "newest" means for `load_state()` and what `total_limit` counts."""
+    from ds_engine.checkpoint import has_complete_tag
+
+    numbered = sorted(_numbered(base), key=lambda item: item[0])
+    return [(i, path) for i, path in numbered if not path.is_symlink() and has_complete_tag(path, _STATE_TAG)]
+
+
+def _remove_unfinished(target: Path) -> None:
+    """Remove `target`, made by a `save_state` that failed, unless it somehow holds a complete
+    state (then it is a checkpoint, and stays)."""
+    from ds_engine.checkpoint import has_complete_tag
+
+    if target.is_dir() and not target.is_symlink() and not has_complete_tag(target, _STATE_TAG):
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def _rotate_states(base: Path, *, keep: int, newest: Path) -> None:
+    """After `newest` was saved: remove the oldest complete `save_state` folders beyond `keep`
+    (never `newest`, never a folder that is not a complete one); a failure is a warning."""
+    import warnings
+
+    for _, old in _complete_states(base)[: -max(keep, 1)]:
+        if old == newest:
+            continue
+        problems: list[str] = []
+
+        def note(_function: Any, failed: str, info: Any, found: list[str] = problems) -> None:
+            found.append(f"{failed}: {info[1]}")
+
+        shutil.rmtree(old, onerror=note)
+        if problems:
+            warnings.warn(
+                f"ds_engine: saved {str(newest)!r}, but could not fully remove {str(old)!r} "
+                f"(total_limit={keep}): {problems[0]}. HINT: remove it by hand.",
+                stacklevel=3,
+            )
 
 
 __all__ = [

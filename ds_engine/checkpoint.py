@@ -27,6 +27,7 @@ user's module, and the Engine as a `TrainingState` (its public step facts and it
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Mapping
@@ -37,10 +38,11 @@ import torch
 from torch import nn
 
 from ds_engine._io import (
-    any_rank_failed,
-    barrier,
     broadcast_from_rank0,
     current_rank,
+    fsync_dir,
+    fsync_file,
+    gather_failures,
     listing,
     load_safe,
     publish,
@@ -48,7 +50,6 @@ from ds_engine._io import (
     save_safe,
     world_size,
     write_json,
-    write_text_atomic,
 )
 from ds_engine._values import parse_size  # re-exported: the one size parser
 from ds_engine.consolidate import consolidate_hint
@@ -279,11 +280,14 @@ def save_training_checkpoint(
 
     staging_root = target_root / f".{tag}.tmp"
     staging = staging_root / tag
-    if rank == 0:
-        shutil.rmtree(staging_root, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
     error: BaseException | None = None
+    if rank == 0:
+        try:
+            shutil.rmtree(staging_root, ignore_errors=True)
+            staging.mkdir(parents=True)
+        except OSError as exc:
+            error = _staging_failure(exc, target_root, staging_root)
+    _raise_save_failure(error, gather_failures(error), target_root, tag)  # the ranks meet here
     try:
         backend.save_states(staging_root, tag)
         save_safe(capture_rng_state(), staging / rng_state_name(rank), "the RNG state")
@@ -292,35 +296,118 @@ def save_training_checkpoint(
             if is_hf_model(model):
                 save_hf_config(model, staging, None)
             write_json(staging / CHECKPOINT_META_NAME, _checkpoint_meta(backend, state, tag))
-    except BaseException as exc:  # every rank must still reach the barrier below
+            # `latest`'s new content is written now, so publishing needs renames only (no space)
+            (staging_root / LATEST_NAME).write_text(tag, encoding="utf-8")
+            fsync_file(staging_root / LATEST_NAME)
+    except BaseException as exc:  # every rank must still reach the agreement below
         error = exc
-    failed = any_rank_failed(error is not None)
-    if not failed:
-        barrier()
+    failures = gather_failures(error)
+    if not failures:
         if rank == 0:
             try:
                 publish(staging, target_root / tag)
-                shutil.rmtree(staging_root, ignore_errors=True)
-                write_text_atomic(target_root / LATEST_NAME, tag)
-                if keep_last is not None:
-                    for old in _tags(target_root)[:-keep_last]:
-                        if old != tag:
-                            shutil.rmtree(target_root / old, ignore_errors=True)
-                            for companion in backend.checkpoint_companions(old):
-                                shutil.rmtree(target_root / companion, ignore_errors=True)
+                os.replace(staging_root / LATEST_NAME, target_root / LATEST_NAME)
+                fsync_dir(target_root)
             except BaseException as exc:
                 error = exc
-        failed = any_rank_failed(error is not None)
-    if failed:
+        failures = gather_failures(error)
+    if failures:
         if rank == 0:
             shutil.rmtree(staging_root, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"another rank failed while writing checkpoint {str(target_root / tag)!r}; nothing was "
-            "published. HINT: see that rank's error above."
-        )
+        _raise_save_failure(error, failures, target_root, tag)
+    if rank == 0:
+        shutil.rmtree(staging_root, ignore_errors=True)
+        if keep_last is not None:
+            _rotate(target_root, tag, keep_last, backend)
     return target_root / tag
+
+
+def _staging_failure(exc: OSError, target_root: Path, staging_root: Path) -> OSError:
+    """The error for a checkpoint folder in which the staging folder cannot be made."""
+    where = exc.filename or staging_root
+    code = exc.errno or errno.EIO
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = f"make {str(target_root)!r} writable (or mount it read-write), or pass another `directory`"
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        hint = f"free space on the filesystem of {str(target_root)!r}, or pass another `directory`"
+    else:
+        hint = "pass another `directory`"
+    return OSError(
+        code,
+        f"{os.strerror(code)}: cannot create {str(where)!r}, the staging folder of a checkpoint in "
+        f"{str(target_root)!r}. HINT: {hint}.",
+    )
+
+
+def _raise_save_failure(
+    error: BaseException | None, failures: list[tuple[int, str, int | None]], target_root: Path, tag: str
+) -> None:
+    """Raise on every rank when any rank failed (`failures`, from `gather_failures`).
+
+    A rank's own error that is no OSError (a bad `client_state`, ...) is raised as it is; every
+    other rank raises an error naming the failing rank(s), the file and the cause, as an
+    OSError of the first failure's errno where it has one (else RuntimeError).
+    """
+    if not failures:
+        return
+    if error is not None and not isinstance(error, OSError):
+        raise error
+    try:
+        newest = _tags(target_root)
+    except Exception:
+        newest = []
+    kept = f"{newest[-1]!r} is still the newest complete one" if newest else "there is no complete one"
+    what = "; ".join(f"rank {rank} failed: {message}" for rank, message, _ in failures)
+    message = (
+        f"checkpoint {str(target_root / tag)!r} was not saved, nothing was published (of the "
+        f"checkpoints in {str(target_root)!r}, {kept}): {what}"
+    )
+    code = error.errno if isinstance(error, OSError) else failures[0][2]
+    if isinstance(code, int):
+        raise OSError(code, message) from error
+    raise (OSError if error is not None else RuntimeError)(message) from error
+
+
+def _rotate(target_root: Path, tag: str, keep_last: int, backend: Backend) -> None:
+    """Remove the oldest complete tags beyond `keep_last`, never `tag` (just published) and never
+    anything that is not one of ours; a problem is a warning naming the folder, not an error."""
+    import warnings
+
+    try:
+        old_tags = [old for old in _tags(target_root)[:-keep_last] if old != tag]
+    except Exception as exc:  # the save itself succeeded
+        warnings.warn(
+            f"ds_engine: saved {str(target_root / tag)!r}, but could not list the older checkpoints "
+            f"to keep only {keep_last} ({type(exc).__name__}: {exc}); nothing was removed.",
+            stacklevel=4,
+        )
+        return
+    for old in old_tags:
+        for name in (old, *backend.checkpoint_companions(old)):
+            path = target_root / name
+            if path.is_symlink() or not path.is_dir():
+                continue  # a link or a file is none of ours (and a missing companion is fine)
+            problems: list[str] = []
+
+            def note(_function: Any, failed: str, info: Any, found: list[str] = problems) -> None:
+                found.append(f"{failed}: {info[1]}")
+
+            shutil.rmtree(path, onerror=note)
+            if problems:
+                warnings.warn(
+                    f"ds_engine: saved {str(target_root / tag)!r}, but could not fully remove the older "
+                    f"checkpoint {str(path)!r} (keep_last={keep_last}): {problems[0]}. HINT: remove it "
+                    "by hand.",
+                    stacklevel=4,
+                )
+
+
+def has_complete_tag(directory: str | os.PathLike[str], tag: str) -> bool:
+    """Whether `directory` holds `tag` as a complete, published checkpoint tag (no error ever)."""
+    try:
+        return tag in _tags(Path(directory))
+    except Exception:
+        return False
 
 
 # --------------------------------------------------------------------------- load
@@ -473,7 +560,28 @@ def _compatibility(backend: Backend, meta: Mapping[str, Any], tag_dir: Path) -> 
             f"{backend.name!r}; their optimizer files differ. {consolidate_hint(tag_dir)}or resume with "
             f"Engine(backend={meta['backend']!r})."
         )
-    return backend.check_checkpoint(meta, tag_dir)
+    return backend.check_checkpoint(meta, tag_dir) or _optimizer_problem(backend, meta, tag_dir)
+
+
+def _optimizer_problem(backend: Backend, meta: Mapping[str, Any], tag_dir: Path) -> str:
+    """'' unless the tag records another optimizer class than the one `backend` trains with
+    (tags written before the class was recorded, or without an optimizer, are not compared)."""
+    saved, current = meta.get("optimizer"), backend.checkpoint_metadata().get("optimizer")
+    if saved is not None and not isinstance(saved, str):
+        return (
+            f"checkpoint file {str(tag_dir / CHECKPOINT_META_NAME)!r}: `optimizer` is {_short(saved)}; "
+            "allowed: null or a class name such as 'torch.optim.adamw.AdamW'. HINT: the file was changed "
+            "after ds_engine wrote it; restore it, or load an older tag with `tag=...`."
+        )
+    if saved is None or current is None or saved == current:
+        return ""
+    return (
+        f"{str(tag_dir)!r} was written by a run whose optimizer is {saved} but this run's is {current}; "
+        "the saved optimizer state (its per-parameter buffers and hyperparameters) belongs to the "
+        f"former and would fail or mislead the latter. HINT: prepare the saved run's optimizer class "
+        f"(`{saved.rsplit('.', 1)[-1]}`), or {consolidate_hint(tag_dir)[len('HINT: ') :]}and train on "
+        "with the new optimizer."
+    )
 
 
 def load_training_checkpoint(
@@ -508,6 +616,8 @@ def load_training_checkpoint(
         try:
             found_tag, tag_dir, meta = resolve_checkpoint(directory, tag)
             problem = _compatibility(backend, meta, tag_dir)
+            if not problem:  # before anything is loaded: a bad engine state is refused whole
+                _check_engine_state(load_safe(tag_dir / ENGINE_STATE_NAME), tag_dir / ENGINE_STATE_NAME)
             outcome = (("ValueError", problem) if problem else None, found_tag, meta)
         except (FileNotFoundError, ValueError) as exc:
             outcome = ((type(exc).__name__, str(exc)), None, None)
@@ -517,9 +627,12 @@ def load_training_checkpoint(
     tag_dir = root / found_tag
     backend.load_states(root, found_tag, meta)
     saved = load_safe(tag_dir / ENGINE_STATE_NAME)
-    state.load_state_dict(saved)
+    try:
+        state.load_state_dict(saved)
+    except ValueError as exc:  # the positions do not fit the prepared objects: name the file
+        raise ValueError(f"checkpoint file {str(tag_dir / ENGINE_STATE_NAME)!r}: {exc}") from None
     rng_path = tag_dir / rng_state_name(rank)
-    if rng_path.is_file():
+    if os.path.lexists(rng_path):  # a link or special file is refused by name, never skipped
         restore_rng_state(load_safe(rng_path))
     else:
         import warnings
@@ -530,3 +643,75 @@ def load_training_checkpoint(
             stacklevel=3,
         )
     return dict(saved["client_state"])
+
+
+# What `Engine.state_dict()` holds, checked before anything is loaded: path -> (check, allowed).
+def _count(value: Any) -> bool:
+    return _is_int(value, 0)
+
+
+def _optional_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+_ENGINE_STATE_KEYS: dict[str, tuple[Any, str]] = {
+    "format": (lambda v: v == CHECKPOINT_FORMAT, f"{CHECKPOINT_FORMAT}"),
+    "counters": (lambda v: isinstance(v, dict), "a dict of step counters"),
+    "step_was_skipped": (lambda v: isinstance(v, bool), "True or False"),
+    "grad_norm": (_optional_number, "None or a number"),
+    "loss_scale": (_optional_number, "None or a number"),
+    "scheduler": (lambda v: v is None or isinstance(v, dict), "None or a scheduler's state dict"),
+    "dataloaders": (lambda v: isinstance(v, list), "a list of dataloader positions"),
+    "client_state": (lambda v: isinstance(v, dict), "a dict (the `client_state` saved)"),
+}
+_COUNTER_KEYS = ("num_micro_steps", "num_optimizer_steps", "num_skipped_steps", "free_micro_steps")
+_POSITION_KEYS: dict[str, tuple[Any, str]] = {
+    "epoch": (_count, "an int >= 0"),
+    "next_batch": (_count, "an int >= 0"),
+    "batch_size": (lambda v: _is_int(v, 1), "an int >= 1"),
+    "num_replicas": (lambda v: _is_int(v, 1), "an int >= 1"),
+    "num_samples": (_count, "an int >= 0"),
+    "epoch_set_explicitly": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+def _check_engine_state(saved: Any, path: Path) -> None:
+    """Refuse an `engine_state.pt` whose shape or values are not what `Engine.state_dict()` writes.
+
+    Raises:
+        ValueError: Names the file and the key (e.g. `dataloaders[0].next_batch`), with a HINT.
+    """
+
+    def refuse(key: str, found: str, allowed: str) -> None:
+        raise ValueError(
+            f"checkpoint file {str(path)!r}: `{key}` {found}; allowed: {allowed}. HINT: the file was "
+            "changed after ds_engine wrote it; restore it, or load an older tag with `tag=...`."
+        )
+
+    def check(where: Any, keys: dict[str, tuple[Any, str]], prefix: str) -> None:
+        for key, (ok, allowed) in keys.items():
+            if key not in where:
+                refuse(prefix + key, "is missing", allowed)
+            elif not ok(where[key]):
+                refuse(prefix + key, f"is {_short(where[key])}", allowed)
+
+    if not isinstance(saved, dict):
+        refuse(
+            "(the whole file)",
+            f"is of type {type(saved).__name__}",
+            "a dict, as `Engine.state_dict()` writes",
+        )
+    check(saved, _ENGINE_STATE_KEYS, "")
+    check(saved["counters"], {k: (_count, "an int >= 0") for k in _COUNTER_KEYS}, "counters.")
+    for index, position in enumerate(saved["dataloaders"]):
+        if not isinstance(position, dict):
+            refuse(f"dataloaders[{index}]", f"is {_short(position)}", "a dict of a dataloader's position")
+        check(position, _POSITION_KEYS, f"dataloaders[{index}].")
+        epoch_batches = -(-position["num_samples"] // (position["batch_size"] * position["num_replicas"]))
+        if position["next_batch"] > epoch_batches:
+            refuse(
+                f"dataloaders[{index}].next_batch",
+                f"is {position['next_batch']}",
+                f"a batch of its epoch ({epoch_batches} batches of {position['batch_size']} x "
+                f"{position['num_replicas']} ranks for {position['num_samples']} samples)",
+            )
