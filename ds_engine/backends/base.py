@@ -227,8 +227,29 @@ class Backend(abc.ABC):
         return ()
 
     def checkpoint_metadata(self) -> dict[str, Any]:
-        """What this backend records in a tag's `ds_engine_meta.json` (beside the generic keys)."""
-        return {"backend": self.name, "precision": self.effective.precision}
+        """What this backend records in a tag's `ds_engine_meta.json` (beside the generic keys).
+
+        `optimizer` is the class of the torch optimizer that trains the model ("module.Class";
+        DeepSpeed's CPU Adam, which stands in for torch Adam/AdamW under optimizer offload, as
+        the torch class it replaced; None before `prepare` or without an optimizer): a resume
+        with another optimizer class is refused by name, not failed at its first step.
+        """
+        optimizer = getattr(self, "optimizer", None)  # the fallback's (accelerate's wrapper)
+        if optimizer is None:  # DeepSpeed's engine holds its (ZeRO / 16-bit) wrapper
+            optimizer = getattr(getattr(self, "ds_engine", None), "optimizer", None)
+        for _ in range(4):  # wrappers keep the optimizer they drive as `.optimizer`
+            inner = getattr(optimizer, "optimizer", None)
+            if not isinstance(inner, torch.optim.Optimizer):
+                break
+            optimizer = inner
+        kind: type | None = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+        if kind is not None and kind.__name__ == "DeepSpeedCPUAdam":
+            kind = torch.optim.AdamW if getattr(optimizer, "adam_w_mode", True) else torch.optim.Adam
+        return {
+            "backend": self.name,
+            "precision": self.effective.precision,
+            "optimizer": None if kind is None else f"{kind.__module__}.{kind.__qualname__}",
+        }
 
     def check_checkpoint(self, meta: Mapping[str, Any], tag_dir: Path) -> str:
         """'' when this backend can load the tag `meta` (its metadata, same backend) describes,
