@@ -8,6 +8,7 @@ state is keyed by parameter name (`optimizer_format: "fqn"`); otherwise torch's 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def save_full_states(tag_dir: Path, *, model: nn.Module, optimizer: Any, scaler:
 def load_full_states(tag_dir: Path, *, model: nn.Module, optimizer: Any, scaler: Any = None) -> None:
     """Inverse of `save_full_states`, on every rank (FSDP or not, any world size)."""
     for name in (FALLBACK_MODEL_NAME, FALLBACK_OPTIMIZER_NAME):
-        if not (tag_dir / name).is_file():
+        if not os.path.lexists(tag_dir / name):  # a link or special file: refused by name below
             raise ValueError(
                 f"{str(tag_dir)!r} has no `{name}`; it is not a checkpoint of the accelerate fallback. "
                 "HINT: load it with the backend that wrote it (see its ds_engine_meta.json)."
