@@ -17,6 +17,7 @@ import gc
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -217,8 +218,11 @@ class Engine:
         if self.step.ended:
             self.step.refuse_if_ended(f"{self._caller}.{call}")
 
-    def _dist(self, call: str = "process_index") -> bool:
-        self._refuse_if_ended(call)
+    def _dist(self, call: str | None = None) -> bool:
+        """Form (or join) the process group; True when there is one. `call`: the user's call, for
+        the error after `end_training` (default: the calling method's name)."""
+        if self.step.ended:
+            self._refuse_if_ended(call or f"{sys._getframe(1).f_code.co_name}(...)")
         _GROUP_USERS.add(self)  # a user of the shared process group until its `end_training`
         self._backend.setup_distributed()
         return dist.is_available() and dist.is_initialized()
@@ -226,7 +230,7 @@ class Engine:
     @property
     def process_index(self) -> int:
         """Global rank of this process."""
-        return dist.get_rank() if self._dist() else 0
+        return dist.get_rank() if self._dist("process_index") else 0
 
     @property
     def local_process_index(self) -> int:
@@ -964,6 +968,7 @@ class Engine:
 
     def gather_for_metrics(self, data: Any) -> Any:
         """`gather`, minus the duplicates padded into the last batch of an epoch."""
+        self._refuse_if_ended("gather_for_metrics(...)")
         gathered = self.gather(data)
         loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
         if loader is None or loader.batch_index != len(loader) - 1:

@@ -152,6 +152,9 @@ def test_the_accelerate_surface_names_its_own_object_after_end_training(tmp_path
         accelerator.save_state(tmp_path / "state")
     with pytest.raises(RuntimeError, match=r"^`optimizer\.step\(\)` after `end_training\(\)`"):
         optimizer.step()
+    for name in ("reduce", "pad_across_processes", "gather_for_metrics"):
+        with pytest.raises(RuntimeError, match=rf"^`accelerator\.{name}\(\.\.\.\)` after `end_training\(\)`"):
+            getattr(accelerator, name)(torch.ones(2))
 
 
 # ------------------------------------------------------------------ leaving the loop
