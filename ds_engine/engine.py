@@ -736,10 +736,11 @@ class Engine:
                     "only at boundaries. Accumulating by hand (`loss / N`, `step()` every N "
                     "micro-steps) needs Engine(gradient_accumulation_steps=1)."
                 )
+        for in_progress in self._loaders_in_progress:  # their current batches are being trained on
+            self._trained_batch[id(in_progress)] = in_progress.batch_index
         loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
         if loader is not None:
             index, length = loader.batch_index, len(loader)
-            self._trained_batch[id(loader)] = index
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start
@@ -1127,7 +1128,8 @@ class Engine:
 
         Writes `directory/<tag>/`: the model and optimizer (DeepSpeed's own partitioned files, or
         full states on the fallback), the scheduler, the Engine's counters, each prepared
-        dataloader's position (resuming continues at the next batch), per-rank python / numpy /
+        dataloader's position (resuming continues at the next batch, also after a `break` out of
+        the training loop; a pass nothing was trained on restarts), per-rank python / numpy /
         torch RNG states, `client_state`, the HF `config.json` and `ds_engine_meta.json`. The tag
         is written under a temporary name and renamed into place; `directory/latest` is written
         last. Call it at a boundary (right after `optimizer.step()`). The ranks must share the

@@ -209,6 +209,22 @@ def test_a_break_before_training_the_batch_resumes_at_that_batch(tmp_path):
     assert engine.state_dict()["dataloaders"][0]["next_batch"] == 3
 
 
+def test_a_break_out_of_a_loop_over_two_zipped_loaders_keeps_both_positions():
+    engine = Engine(backend="accelerate")
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, first, second = engine.prepare(
+        model, optimizer, DataLoader(_data(16), batch_size=2), DataLoader(_data(12), batch_size=2)
+    )
+    for step, ((x, _), (z, _)) in enumerate(zip(first, second)):
+        engine.backward(model(x).sum() + model(z).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            break
+    assert [d["next_batch"] for d in engine.state_dict()["dataloaders"]] == [3, 3]
+
+
 def test_a_break_out_of_an_evaluation_loop_starts_its_next_pass_afresh(tmp_path):
     """A pass nothing trained on (evaluation) restarts at its first batch, live and after a resume."""
     engine = Engine(backend="accelerate")
