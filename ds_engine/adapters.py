@@ -13,8 +13,9 @@ base model to keep a few MB. Here:
   `PeftModel.save_pretrained(dir, state_dict=...)` takes), other ranks None.
 * `save_adapter` -- collective; rank 0 writes peft's own folder (`adapter_config.json`,
   `adapter_model.safetensors`, README) through `PeftModel.save_pretrained` from the gathered
-  entries, into a temporary sibling renamed into place. `PeftModel.from_pretrained(base, dir)`
-  reloads it in a process without DeepSpeed.
+  entries, into a staging folder first; a new folder is renamed into place, an existing one
+  gets only the files written (`ds_engine._folders`: nothing else in it is removed).
+  `PeftModel.from_pretrained(base, dir)` reloads it in a process without DeepSpeed.
 * `merged_entries` -- the base model's state dict with every LoRA layer's weight merged
   (W + scaling * B @ A, computed inside each layer's gather): the plan that
   `weights.save_pretrained` streams shard by shard, so the merged export never holds more
@@ -31,7 +32,6 @@ import contextlib
 import functools
 import importlib.util
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from ds_engine import weights
-from ds_engine._io import broadcast_from_rank0, current_rank, publish, raise_rank0_failure, tmp_sibling
+from ds_engine._folders import ADAPTER_WEIGHTS, Staging, read_regular
+from ds_engine._io import broadcast_from_rank0, current_rank, raise_rank0_failure
 from ds_engine.weights import Entry, WeightGather
 
 __all__ = [
@@ -132,9 +133,12 @@ def save_adapter(
 ) -> None:
     """Write the adapter folder peft's `save_pretrained` writes (collective; rank 0 writes).
 
-    Only the adapter's entries are gathered. Rank 0 writes into a hidden temporary sibling
-    (peft's `save_pretrained` with the gathered dict, then the tokenizer), fsyncs it and renames
-    it over `save_directory`, so a crash never leaves a folder that looks complete.
+    Only the adapter's entries are gathered. Rank 0 writes into a hidden staging folder
+    (peft's `save_pretrained` with the gathered dict, then the tokenizer) and fsyncs it; a new
+    `save_directory` is renamed into place whole, an existing one gets the files written, the
+    adapter weights last, and keeps everything else (as peft's own save, which also updates an
+    existing README.md rather than replacing it). A crash never leaves a folder that loads
+    another adapter's weights, nor a half-written file under its final name.
     """
     gather = gather or WeightGather()
     target = Path(save_directory).absolute()
@@ -146,6 +150,7 @@ def save_adapter(
 
     def write(tmp: Path) -> None:
         assert state is not None  # rank 0
+        _seed_model_card(target, tmp)
         peft_class: Any = type(model)  # the class's save: not the prepared model's rank guard
         peft_class.save_pretrained(
             model,
@@ -161,19 +166,34 @@ def save_adapter(
     _write_on_rank0(target, write)
 
 
+#: The model card peft's `save_pretrained` updates in place (it keeps an existing one's text).
+_MODEL_CARD = "README.md"
+_MODEL_CARD_MAX_BYTES = 16 * 2**20
+
+
+def _seed_model_card(target: Path, tmp: Path) -> None:
+    """Copy `target`'s README.md into `tmp`, so peft updates it as it does saving in place (a
+    link or special file there is not read: peft then writes a fresh card, which replaces it)."""
+    card = target / _MODEL_CARD
+    if not os.path.isfile(card) or os.path.islink(card):
+        return
+    hint = "replace it by a regular file, or remove it (peft then writes a fresh model card)"
+    (tmp / _MODEL_CARD).write_bytes(read_regular(card, _MODEL_CARD_MAX_BYTES, "model cards", hint))
+
+
 def _write_on_rank0(target: Path, write: Callable[[Path], None]) -> None:
-    """Rank 0 runs `write(tmp)` and publishes `tmp` as `target`; its error is raised on every rank."""
+    """Rank 0 runs `write(tmp)` into a staging folder and publishes it into `target`
+    (`ds_engine._folders.Staging`); its error is raised on every rank."""
     error: BaseException | None = None
     if current_rank() == 0:
-        tmp = tmp_sibling(target, "tmp")
+        staging = Staging(target)
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            write(tmp)
-            publish(tmp, target)
+            staging.start()
+            write(staging.folder)
+            staging.publish(ADAPTER_WEIGHTS)
         except BaseException as exc:  # re-raised below on every rank
             error = exc
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.discard()
     raise_rank0_failure(error, target)
 
 

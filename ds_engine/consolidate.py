@@ -9,19 +9,23 @@ soon as it is read: memory stays about two tensors, not a copy of the model (Dee
 How the model config travels with a checkpoint: `consolidate_checkpoint` looks for an HF
 `config.json` in the tag folder, then in the checkpoint folder, then in its parent (the
 Engine writes `config.json` next to its checkpoints); `config_from=` overrides the search.
+The model's config files are read only as regular files (a symbolic link or FIFO is refused,
+naming it), so the output never holds a file from elsewhere; the output folder must lie apart
+from the checkpoint folder it is made from.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ds_engine._io import listing, publish, tmp_sibling, write_json
+from ds_engine._folders import MODEL_WEIGHTS, Staging, read_regular
+from ds_engine._io import listing, write_json
 from ds_engine._values import parse_size
 from ds_engine.safety import confined_tag, deepspeed_safe_globals, restricted_load, restricted_torch_load
 from ds_engine.weights import (
@@ -80,22 +84,87 @@ def _resolve_tag(checkpoint_dir: Path, tag: str | None) -> tuple[str, Path]:
     return tag, tag_dir
 
 
+def _check_apart(checkpoint: Path, target: Path) -> None:
+    """Refuse an output folder that is, contains or lies inside the checkpoint folder (links
+    resolved): writing there would replace or mix with the files being read."""
+    real_checkpoint, real_target = checkpoint.resolve(), target.resolve()
+    if real_target == real_checkpoint:
+        relation = "is"
+    elif real_checkpoint in real_target.parents:
+        relation = "lies inside"
+    elif real_target in real_checkpoint.parents:
+        relation = "contains"
+    else:
+        return
+    resolved = ""
+    if (real_checkpoint, real_target) != (checkpoint, target):
+        resolved = f" ({str(real_target)!r} and {str(real_checkpoint)!r} once links are resolved)"
+    apart = checkpoint.parent / f"{checkpoint.name}-hf"
+    raise ValueError(
+        f"output folder {str(target)!r} {relation} the checkpoint folder {str(checkpoint)!r} being "
+        f"consolidated{resolved}; the output must lie apart from it, or writing it could replace "
+        f"files the checkpoint needs. HINT: write to another folder, e.g. {str(apart)!r}."
+    )
+
+
+#: The most bytes a model's `config.json` or `generation_config.json` may hold.
+_CONFIG_MAX_BYTES = 16 * 2**20
+_CONFIG_HINT = (
+    "if you trust the file, replace it by a regular copy (`cp -L`), or pass `--config-from` a "
+    "folder whose config files are regular files"
+)
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _find_config(
     checkpoint_dir: Path, tag_dir: Path, config_from: str | os.PathLike[str] | None
 ) -> Path | None:
+    """The `config.json` to use; whatever is found under that name (a link, a FIFO) is taken,
+    so that `_read_config` refuses it by name instead of the search passing over it."""
     if config_from is not None:
         path = Path(config_from)
         path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
+        if not os.path.lexists(path) or _is_folder(path):
             raise FileNotFoundError(
                 f"`config_from`={str(config_from)!r} holds no `config.json`. "
                 "HINT: pass the folder of the original model (the one given to from_pretrained)."
             )
         return path
     for folder in (tag_dir, checkpoint_dir, checkpoint_dir.parent):
-        if (folder / "config.json").is_file():
-            return folder / "config.json"
+        path = folder / "config.json"
+        if os.path.lexists(path) and not _is_folder(path):
+            return path
     return None
+
+
+def _read_config(path: Path) -> tuple[dict[str, Any], bytes | None]:
+    """`config.json` parsed, and the bytes of the `generation_config.json` beside it (None when
+    there is none): regular files only, never read through a link or from a FIFO."""
+    data = read_regular(path, _CONFIG_MAX_BYTES, "a model's config files", _CONFIG_HINT)
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        reason = "it nests deeper than can be parsed"
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        reason = str(exc).split(": line")[0] if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+    else:
+        reason = "" if isinstance(config, dict) else f"a JSON {type(config).__name__}, not an object"
+    if reason:
+        raise ValueError(
+            f"model config {str(path)!r} is not a config.json ({reason}); allowed: a JSON object of "
+            "settings, as `config.save_pretrained` writes it. HINT: pass `--config-from` the folder "
+            "of the original model (the one given to from_pretrained)."
+        )
+    generation = path.parent / "generation_config.json"
+    if not os.path.lexists(generation) or _is_folder(generation):
+        return config, None
+    return config, read_regular(generation, _CONFIG_MAX_BYTES, "a model's config files", _CONFIG_HINT)
 
 
 def _load_zero0_module(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -130,7 +199,9 @@ def consolidate_checkpoint(
 
     Args:
         checkpoint_dir: The folder given to `save_checkpoint` (holds `latest` and tag folders).
-        output_dir: Target folder; created, or replaced atomically.
+        output_dir: Target folder, apart from `checkpoint_dir` (neither inside it nor holding
+            it); created, or updated: only the files written (and stale weight files of this
+            naming) are replaced, everything else in it is kept, as `weights.save_pretrained`.
         tag: Tag folder to read; default: the one named in `latest`.
         dtype: Output dtype of floating-point tensors: a torch dtype or "fp32", "bf16", "fp16".
         max_shard_size: Largest shard, e.g. "5GB".
@@ -144,8 +215,10 @@ def consolidate_checkpoint(
         FileNotFoundError: Missing checkpoint folder, `latest` file, tag or config.
         UnsafeCheckpointError: A checkpoint file asks the unpickler for something outside the
             allowlist (`ds_engine.safety`); names the file. Nothing of the file's choosing ran.
+            Also a config file that is a symbolic link, FIFO or device (named, never read).
         ValueError: A folder that is not a DeepSpeed checkpoint, a truncated or corrupt file
-            (named), or a bad dtype / shard size.
+            (named), a config.json that is not a JSON object, an output folder that is,
+            contains or lies inside the checkpoint folder, or a bad dtype / shard size.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -158,11 +231,13 @@ def consolidate_checkpoint(
     max_bytes = parse_size(max_shard_size, name="max_shard_size")
     checkpoint = Path(checkpoint_dir).absolute()
     target = Path(output_dir).absolute()
+    _check_apart(checkpoint, target)
     tag, tag_dir = _resolve_tag(checkpoint, tag)
     config_path = _find_config(checkpoint, tag_dir, config_from)
     problem = preflight(target, None, None)
     if problem:
         raise ValueError(problem)
+    config, generation = _read_config(config_path) if config_path is not None else (None, None)
 
     if list(tag_dir.glob("*optim_states.pt")) and _zero_stage(tag_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -185,9 +260,9 @@ def consolidate_checkpoint(
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     shards = split_shards(entries, max_bytes, weights_name)
 
-    tmp = tmp_sibling(target, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    staging = Staging(target)
+    tmp = staging.folder
+    staging.start()
     try:
         if safe_serialization:
             # a tensor at a time: read (DeepSpeed's lazy fragments, memory-mapped) while the
@@ -207,17 +282,15 @@ def consolidate_checkpoint(
             weight_map = {e.key: s.filename for s in shards for e in s.entries}
             total = sum(e.nbytes for s in shards for e in s.entries)
             write_json(tmp / index_name, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        if config_path is not None:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config is not None:
             config["dtype"] = str(dtype).split(".")[-1]
             config.pop("torch_dtype", None)
             write_json(tmp / "config.json", config)
-            generation = config_path.parent / "generation_config.json"
-            if generation.is_file():
-                shutil.copyfile(generation, tmp / generation.name)
-        publish(tmp, target)
+        if generation is not None:  # the bytes read above: never a copy through a link
+            (tmp / "generation_config.json").write_bytes(generation)
+        staging.publish(MODEL_WEIGHTS)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return target
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,13 +32,12 @@ import torch
 from torch import nn
 
 from ds_engine import _safetensors
+from ds_engine._folders import MODEL_WEIGHTS, Staging
 from ds_engine._io import (
     broadcast_from_rank0,
     current_rank,
     fsync_file,
-    publish,
     raise_rank0_failure,
-    tmp_sibling,
     write_json,
 )
 from ds_engine._values import parse_size
@@ -656,7 +654,8 @@ def preflight(save_directory: Path, module: nn.Module | None, tokenizer: Any) ->
     if save_directory.exists() and not save_directory.is_dir():
         return (
             f"`save_directory`={str(save_directory)!r} is a file, not a directory. "
-            "HINT: pass a directory path (it is created, or replaced atomically if it exists)."
+            "HINT: pass a directory path (it is created; in an existing one only the files the "
+            "save writes are replaced)."
         )
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         return (
@@ -721,14 +720,19 @@ def save_pretrained(
     `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` past
     `max_shard_size`), `config.json` (and `generation_config.json`) for transformers models,
     and the tokenizer. Tied duplicates are dropped as transformers' `save_pretrained` drops
-    them. Everything goes into a hidden sibling folder `.<name>.tmp-<pid>` first, is fsynced,
-    then renamed over `save_directory` (an existing folder is moved aside, replaced, then
-    deleted), so a crash never leaves a folder that looks complete.
+    them. Everything is written into a hidden staging folder first and fsynced, so a full disk
+    or a crash while writing leaves the previous files byte-identical; then a new folder is
+    renamed into place whole. An existing folder keeps everything this save does not write
+    (e.g. `checkpoint-N/` folders, logs): only the files written and stale weight files of
+    this naming (other shards, the single file or index of the other layout, the other
+    serialization's weights) are replaced, by renames, the weights index or single file last
+    (`ds_engine._folders`); a crash there leaves a folder `from_pretrained` refuses, never
+    one with a mix of old and new weights.
 
     Args:
         module: The unwrapped model (`ds_engine.module` for a DeepSpeedEngine); a transformers
             `PreTrainedModel` or any `nn.Module` (then only weights are written).
-        save_directory: Target folder; created, or replaced atomically.
+        save_directory: Target folder; created, or updated (only what this save writes).
         gather: How the backend's parameters are read (`Backend.weight_gather()`); None reads
             them as they are.
         tokenizer: Optional tokenizer saved with `tokenizer.save_pretrained` (HF models only).
@@ -756,7 +760,8 @@ def save_pretrained(
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
     is_hf = is_hf_model(module)
-    tmp = tmp_sibling(target, "tmp")
+    staging = Staging(target)
+    tmp = staging.folder
     error: BaseException | None = None
 
     def on_rank0(step: Any, *args: Any) -> None:
@@ -769,11 +774,7 @@ def save_pretrained(
             except BaseException as exc:  # re-raised below on every rank
                 error = exc
 
-    def start() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-
-    on_rank0(start)
+    on_rank0(staging.start)
     shards: list[Shard] = []
     saved_dtype = dtype
 
@@ -842,7 +843,7 @@ def save_pretrained(
     except BaseException:
         # raised on every rank alike (e.g. an empty gathered tensor): no half-written folder
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.discard()
         raise
 
     def finish() -> None:
@@ -856,11 +857,11 @@ def save_pretrained(
             save_hf_config(module, tmp, saved_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        publish(tmp, target)
+        staging.publish(MODEL_WEIGHTS)
 
     on_rank0(finish)
     if rank == 0 and error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
     raise_rank0_failure(error, target)
 
 
