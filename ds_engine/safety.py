@@ -228,7 +228,7 @@ def _check_bounds(fd: int, info: os.stat_result, name: str, limit: int) -> bool:
     for entry in entries:
         compressed = entry.compress_type != zipfile.ZIP_STORED
         storage = "/data/" in entry.filename and not entry.filename.endswith(".pkl")
-        if storage and not compressed:
+        if storage and not compressed and entry.file_size == entry.compress_size:
             continue  # tensor data, stored as is: mapped or read, bounded by the file itself
         if entry.file_size > limit:
             ratio = entry.file_size // max(entry.compress_size, 1)

@@ -36,6 +36,7 @@ def test_a_tag_saved_again_is_converted_again(tmp_path):
     resumed_second = launch("resume", 1, "resume2")
 
     assert (first["num_optimizer_steps"], second["num_optimizer_steps"]) == (2, 5)
+    assert first["optimizer"] == "torch.optim.adamw.AdamW"  # the class the tag records
     assert (_weights(first) - _weights(second)).abs().max() > 1e-2  # the two saves differ
     assert torch.allclose(_weights(resumed_first), _weights(first), atol=1e-6)
     assert resumed_second["num_optimizer_steps"] == 5

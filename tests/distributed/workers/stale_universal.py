@@ -8,6 +8,7 @@ cached beside it). Either way rank 0 reports the full weights and the step count
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ def main() -> None:
             if step + 1 == args.steps:
                 break
         engine.save_checkpoint(Path(args.ckpt), tag="state")
+        meta = json.loads((Path(args.ckpt) / "state" / "ds_engine_meta.json").read_text())
+        result["optimizer"] = meta["optimizer"]
     else:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
