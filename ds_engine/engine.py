@@ -279,7 +279,10 @@ class Engine:
     def end_training(self) -> None:
         """Wait for every process, then destroy the process group (accelerate's name).
 
-        Call it last, after saving: the Engine cannot communicate afterwards. Without it the
+        Call it last, after saving: afterwards every call that trains, saves or communicates
+        (`backward`, `accumulate`, the prepared optimizer's `step` / `zero_grad` and scheduler's
+        `step`, `prepare`, `save_checkpoint`, `load_checkpoint`, `get_state_dict`,
+        `save_pretrained`, `gather`, ...) raises one RuntimeError, on every backend. Without it the
         process group is destroyed at interpreter exit anyway (a gloo group left to
         finalization can abort a finished run), but an explicit call ends the run at a point
         every rank agrees on.
@@ -377,6 +380,13 @@ class Engine:
           `default_schedule_reading`: "prepared" for `Engine` (its documented convention),
           "unprepared" for the accelerate-compatible `Accelerator`. One log line on the main
           process says which reading was applied and why (a warning where it was the default).
+
+        Raises:
+            TypeError: An object that is not a model, optimizer, DataLoader or LR scheduler.
+            ValueError: Two models (or optimizers, schedulers); an optimizer without its model, or
+                one holding tensors that are not the model's parameters (before any process group
+                work); a dataloader whose length differs across ranks (on every rank).
+            RuntimeError: After `end_training()`.
         """
         self._refuse_if_ended("prepare(...)")
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
