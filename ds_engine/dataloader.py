@@ -253,7 +253,8 @@ class PreparedDataLoader:
         """Resume at `checkpoint_state()`'s position, converted by sample count to this global batch.
 
         Raises:
-            ValueError: the data set has another number of samples than the saved one.
+            ValueError: the data set has another number of samples than the saved one, or the
+                position lies past this loader's epoch.
         """
         next_batch = int(saved["next_batch"])
         old_global = int(saved["batch_size"]) * int(saved["num_replicas"])
@@ -274,6 +275,13 @@ class PreparedDataLoader:
                     f"{next_batch * new_global} ({rest} samples are seen again).",
                     stacklevel=4,
                 )
+        if next_batch > len(self):  # past the epoch: the resumed epoch would be empty, silently
+            raise ValueError(
+                f"`dataloaders[{index}].next_batch` ({saved['next_batch']} batches of {old_global} samples) "
+                f"resumes at batch {next_batch} but prepared dataloader #{index} has {len(self)} batches "
+                "per epoch. HINT: the saved position does not fit this data; restore the checkpoint's "
+                "file, or load an older tag with `tag=...`."
+            )
         self.load_state_dict({"epoch": int(saved["epoch"]), "batch_index": next_batch})
         # load_state_dict pins the epoch; the saved run may have let it advance by itself
         self._epoch_set_explicitly = bool(saved["epoch_set_explicitly"])

@@ -154,3 +154,15 @@ def test_an_engine_state_of_the_wrong_shape_names_the_file_and_key(
     assert re.match(rf"checkpoint file '.*/t1/engine_state\.pt': {message}", text), text
     assert re.search(r"HINT: the file was changed after ds_engine wrote it", text), text
     assert torch.equal(model.weight, before)  # refused before anything was loaded
+
+
+def test_a_position_past_the_prepared_epoch_names_the_file_and_key(saved: Path) -> None:
+    """Consistent with its own geometry (1 batch of 1000 samples) but 500 batches into this loader."""
+    _edit(saved, lambda s: s["dataloaders"][0].update(next_batch=1, batch_size=1000))
+    engine, *_ = _prepared(_adamw)
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint file '.*/t1/engine_state\.pt': `dataloaders\[0\]\.next_batch` \(1 batches of 1000 "
+        r"samples\) resumes at batch 500 but prepared dataloader #0 has 4 batches per epoch\. HINT: ",
+    ):
+        engine.load_checkpoint(saved)
