@@ -796,7 +796,8 @@ class Engine:
 
         Raises:
             TypeError: `loss` is not a tensor.
-            ValueError: `loss` holds more than one value (reduce it first: `loss.mean()`).
+            ValueError: `loss` holds more than one value (reduce it first: `loss.mean()`), or
+                does not require gradients.
             RuntimeError: No optimizer was prepared, after `end_training()`, or misuse of the
                 accumulation window (the message says which).
         """
@@ -813,6 +814,13 @@ class Engine:
                 "values); backward needs a single number (a 0-dim tensor). HINT: reduce it first, e.g. "
                 f"`{self._caller}.backward(loss.mean())` (per-sample or per-token losses), or pass "
                 "`reduction='mean'` to the loss function."
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                f"`{self._caller}.backward(loss)` got a loss ({float(loss.detach()):.6g}) that does not "
+                "require gradients: nothing connects it to a trained parameter (computed under "
+                "`torch.no_grad()`, from `.detach()`ed outputs, or with every parameter frozen). HINT: "
+                "compute the loss from the prepared model's forward with gradients enabled."
             )
         if self._optimizer is None:
             if self._model is not None:

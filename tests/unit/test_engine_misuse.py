@@ -46,6 +46,10 @@ def test_a_loss_with_several_values_is_refused_before_anything_runs(backend):
         engine.backward(per_sample())
     with pytest.raises(TypeError, match=r"got a float.*HINT: pass the tensor itself"):
         engine.backward(1.5)  # type: ignore[arg-type]
+    with torch.no_grad():
+        detached = per_sample().mean()
+    with pytest.raises(ValueError, match=r"does not require gradients.*torch\.no_grad\(\).*HINT: compute"):
+        engine.backward(detached)
     assert engine.num_micro_steps == 0 and not engine.has_unapplied_gradients
     engine.backward(per_sample().mean())  # the fix works, also with a one-element (1,) loss
     optimizer.step()
