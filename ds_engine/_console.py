@@ -7,8 +7,9 @@ a short fine-tune printed, and it broke the progress bar onto a new line at ever
 `quiet_console()` (called once per Engine, before DeepSpeed is imported) keeps the console
 to what a user wants to watch:
 
-* torch's deprecation warnings about DeepSpeed's collective names are dropped everywhere
-  (nothing the user can change; DeepSpeed's code calls them);
+* torch's deprecation warnings about DeepSpeed's collective names, and transformers' about
+  the attribute name peft reads, are dropped everywhere (nothing the user can change; the
+  libraries' own code makes those calls);
 * on every rank but 0, ds_engine's own warnings (rank 0 gives the same), DeepSpeed's log
   below ERROR, transformers' log below ERROR and its progress bars are silenced, and the line
   DeepSpeed prints when it loads its shared-memory communication op is kept off stdout.
@@ -56,6 +57,10 @@ def quiet_console() -> None:
         return
     _DONE = True
     warnings.filterwarnings("ignore", message=_DEPRECATED_COLLECTIVE, category=FutureWarning)
+    # peft reads this transformers attribute by its old name when it wraps a model
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
     if _env_rank() == 0 or all_ranks_speak():
         return
     # A filter on the logger object outlives DeepSpeed's own set-up of it at import (which

@@ -57,3 +57,26 @@ def test_main_job_console_stays_short(tmp_path: Path) -> None:
     assert len(others) <= 25, f"{len(others)} lines besides the progress bar:\n" + "\n".join(others)
     assert not [line for line in others if "deprecated" in line or "FutureWarning" in line], others
     assert any(line.startswith("validation accuracy on") for line in others), others
+
+
+EXAMPLES = {
+    # script, extra launch flags, a line the run must print (rank 0 unless it names the rank)
+    "lora": ([], r"^adapter and merged model agree: max logit difference (\S+)$"),
+    "distillation": ([], r"^step 2: distillation loss [\d.]+$"),
+    "generation": ([], r"^rank 1: 'the film[^']*'$"),
+    "accelerate_port": (["--config", "zero2"], r"^epoch 1: accuracy [\d.]+ on 20 examples"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_runs_as_launched(name: str, tmp_path: Path) -> None:
+    flags, expected = EXAMPLES[name]
+    script = ROOT / "scripts" / "examples" / f"{name}.py"
+    cmd = [sys.executable, "-m", "ds_engine.cli", "launch", "--nproc-per-node", "2", *flags, str(script)]
+    result = run_command(cmd, timeout=420, env=worker_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:]
+    found = re.search(expected, result.stdout, flags=re.M)
+    assert found, result.stdout[-4000:]
+    if name == "lora":
+        assert float(found.group(1)) < 1e-4  # the merged model is the adapted model
+    assert (tmp_path / "out" / name).is_dir()

@@ -5,6 +5,7 @@
 * The README keeps exactly two set-up commands.
 * Every relative link in the README and docs/ names a file that exists.
 * Neither speaks of the project's own development (issue numbers, work sessions).
+* Every python block in docs/ is an excerpt that names the complete file it comes from.
 """
 
 from __future__ import annotations
@@ -80,3 +81,13 @@ def test_code_speaks_of_the_project_not_its_history() -> None:
                 text = path.read_text(encoding="utf-8", errors="replace")
                 found += [f"{path.relative_to(ROOT)}: {m}" for m in pattern.findall(text)]
     assert not found, found
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_every_docs_snippet_names_the_complete_file_it_comes_from(page: Path) -> None:
+    """A python block in docs/ is an excerpt; its first line names the complete, tested file."""
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
+        first = block.strip().splitlines()[0]
+        named = re.search(r"#\s*excerpt\b.*?((?:scripts|tests)/\S+\.py)", first)
+        assert named, f"{page.name}: a python block does not start with '# excerpt of <file>': {first!r}"
+        assert (ROOT / named.group(1)).is_file(), f"{page.name} names a missing file: {named.group(1)}"
