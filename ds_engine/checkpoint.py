@@ -310,15 +310,15 @@ def save_training_checkpoint(
                 fsync_dir(target_root)
             except BaseException as exc:
                 error = exc
-        failures = gather_failures(error)
+            else:  # published: the older tags may go now (a problem there is a warning only)
+                shutil.rmtree(staging_root, ignore_errors=True)
+                if keep_last is not None:
+                    _rotate(target_root, tag, keep_last, backend)
+        failures = gather_failures(error)  # every rank returns after the rotation
     if failures:
         if rank == 0:
             shutil.rmtree(staging_root, ignore_errors=True)
         _raise_save_failure(error, failures, target_root, tag)
-    if rank == 0:
-        shutil.rmtree(staging_root, ignore_errors=True)
-        if keep_last is not None:
-            _rotate(target_root, tag, keep_last, backend)
     return target_root / tag
 
 

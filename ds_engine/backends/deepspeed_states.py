@@ -35,6 +35,7 @@ from ds_engine._io import (
     raise_problem,
     tmp_sibling,
     world_size,
+    write_failure,
     write_json,
 )
 from ds_engine.consolidate import consolidate_hint
@@ -208,8 +209,77 @@ def save_pretrained(
 def save_deepspeed_states(
     ds_engine: Any, staging_root: Path, tag: str, client_state: Mapping[str, Any]
 ) -> None:
-    """DeepSpeed's own checkpoint of model + optimizer (+ its scheduler) into `staging_root/tag`."""
-    ds_engine.save_checkpoint(str(staging_root), tag=tag, client_state=dict(client_state), save_latest=False)
+    """DeepSpeed's own checkpoint of model + optimizer (+ its scheduler) into `staging_root/tag`.
+
+    DeepSpeed's `save_checkpoint` is collective (barriers and an all_reduce around its file
+    writes): a write that raised on one rank would leave the others in its barrier. So its file
+    writes are recorded instead of raised (`_recorded_writes`): every rank goes through all of
+    DeepSpeed's collectives, then a rank whose write failed raises an OSError naming the file
+    and the cause, which the checkpointer agrees on across ranks before anyone waits again.
+    """
+    with _recorded_writes(ds_engine) as failures:
+        ds_engine.save_checkpoint(
+            str(staging_root), tag=tag, client_state=dict(client_state), save_latest=False
+        )
+    if failures:
+        raise failures[0]
+
+
+class _RecordingCheckpointEngine:
+    """A DeepSpeed checkpoint engine whose `save` and `makedirs` record a failure instead of
+    raising it (the partial file is removed); everything else is the wrapped engine's."""
+
+    def __init__(self, inner: Any, failures: list[BaseException]) -> None:
+        self._inner = inner
+        self._failures = failures
+
+    def save(self, state_dict: Any, path: str) -> None:
+        try:
+            self._inner.save(state_dict, path)
+        except Exception as exc:
+            _record(self._failures, exc, Path(path), "a DeepSpeed checkpoint file")
+            with contextlib.suppress(OSError):
+                Path(path).unlink(missing_ok=True)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        try:
+            self._inner.makedirs(path, exist_ok=exist_ok)
+        except Exception as exc:
+            _record(self._failures, exc, Path(path), "a DeepSpeed checkpoint folder")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _record(failures: list[BaseException], exc: BaseException, path: Path, what: str) -> None:
+    failures.append(write_failure(exc, path, what) or exc)
+
+
+@contextlib.contextmanager
+def _recorded_writes(ds_engine: Any) -> Iterator[list[BaseException]]:
+    """Within: `ds_engine`'s checkpoint file writes (its checkpoint engine, and the recovery
+    scripts rank 0 copies beside the ZeRO files) record their failures in the yielded list."""
+    failures: list[BaseException] = []
+    inner = getattr(ds_engine, "checkpoint_engine", None)
+    if inner is not None:
+        ds_engine.checkpoint_engine = _RecordingCheckpointEngine(inner, failures)
+    copy = getattr(ds_engine, "_copy_recovery_script", None)
+    if callable(copy):
+
+        def recorded_copy(save_path: str) -> None:
+            try:
+                copy(save_path)
+            except Exception as exc:
+                _record(failures, exc, Path(save_path) / "zero_to_fp32.py", "DeepSpeed's recovery script")
+
+        ds_engine._copy_recovery_script = recorded_copy  # this instance only
+    try:
+        yield failures
+    finally:
+        if inner is not None:
+            ds_engine.checkpoint_engine = inner
+        if callable(copy):
+            del ds_engine._copy_recovery_script  # the class's method again
 
 
 def load_deepspeed_states(ds_engine: Any, root: Path, tag: str) -> dict[str, Any]:
