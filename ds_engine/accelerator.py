@@ -56,6 +56,7 @@ from ds_engine.config import EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.engine import Engine
 from ds_engine.scheduler import OverflowAwareScheduler
+from ds_engine.tracking import JsonlTracker
 
 SUPPORTED, DIFFERS, NOT_APPLICABLE = "supported", "differs", "not applicable"
 
@@ -540,7 +541,7 @@ class Accelerator(Engine):
             self.project_configuration = ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        self.log_with = filter_trackers(log_with, self.logging_dir) if log_with is not None else []
+        self.log_with = _trackers(log_with, self.logging_dir) if log_with is not None else []
         self.trackers: list[Any] = []
         self._custom_objects: list[Any] = []
         self._trigger = False
@@ -1022,7 +1023,8 @@ class Accelerator(Engine):
             if isinstance(tracker, GeneralTracker):
                 self.trackers.append(tracker)
                 continue
-            cls = LOGGER_TYPE_TO_CLASS[str(tracker)]
+            name = str(tracker)
+            cls: Any = JsonlTracker if name == JsonlTracker.name else LOGGER_TYPE_TO_CLASS[name]
             kwargs = init_kwargs.get(str(tracker), {})
             if cls.requires_logging_directory:
                 self.trackers.append(cls(project_name, self.logging_dir, **kwargs))
@@ -1043,20 +1045,35 @@ class Accelerator(Engine):
         return GeneralTracker(_blank=True)
 
     def log(
-        self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None
+        self, values: Mapping[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None
     ) -> None:
-        """Log `values` to every tracker, on the main process only."""
+        """Log `values` to every tracker, on the main process only (and to `log_to`'s folder, if set)."""
         if not self.is_main_process:
             return
         log_kwargs = log_kwargs or {}
         for tracker in self.trackers:
-            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+            tracker.log(dict(values), step=step, **log_kwargs.get(tracker.name, {}))
+        if self._run_log is not None:
+            super().log(values, step=step)
 
     def end_training(self) -> None:
         """Finish the trackers, then wait for every process and end the process group."""
         for tracker in self.trackers:
             tracker.finish()
         super().end_training()
+
+
+def _trackers(log_with: Any, logging_dir: str | None) -> list[Any]:
+    """accelerate's `filter_trackers`, knowing ds_engine's "jsonl" (`ds_engine.tracking.JsonlTracker`)."""
+    names = log_with if isinstance(log_with, (list, tuple)) else [log_with]
+    jsonl = [t for t in names if str(t) == JsonlTracker.name]
+    others = [t for t in names if str(t) != JsonlTracker.name]
+    if jsonl and logging_dir is None:
+        raise ValueError(
+            '`log_with="jsonl"` writes metrics.jsonl into the logging directory, and none is set. HINT: '
+            "pass `project_dir=` (or `ProjectConfiguration(project_dir=..., logging_dir=...)`)."
+        )
+    return [*jsonl[:1], *(filter_trackers(others, logging_dir) if others else [])]
 
 
 def _only_tensors(data: Any) -> bool:

@@ -109,6 +109,7 @@ class Engine:
                 stacklevel=2,
             )
 
+        self._run_log: Any = None  # ds_engine.tracking.RunLog once `log_to` was called (main process)
         self.step = StepState()
         """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
         self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
@@ -120,6 +121,7 @@ class Engine:
         self._dataloaders: list[PreparedDataLoader] = []
         self._loader_marks: dict[int, tuple[int, int]] = {}
         self._trained_batch: dict[int, int] = {}  # loader id -> last batch of its pass a micro-step ran on
+        self._place_at_end = (0, 1)  # (rank, world size) as `end_training` found them
         self.config_optimizer_parameters: Any = None
         """What DeepSpeed's config `optimizer` trains when `prepare` gets no torch optimizer:
         parameters or param groups (e.g. without weight decay on biases); None: the model's
@@ -229,18 +231,23 @@ class Engine:
 
     @property
     def process_index(self) -> int:
-        """Global rank of this process."""
+        """Global rank of this process (after `end_training`: as it was)."""
+        if self.step.ended:
+            return self._place_at_end[0]
         return dist.get_rank() if self._dist("process_index") else 0
 
     @property
     def local_process_index(self) -> int:
         """Rank of this process on its node."""
-        self._dist("local_process_index")
+        if not self.step.ended:
+            self._dist("local_process_index")
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def num_processes(self) -> int:
-        """World size."""
+        """World size (after `end_training`: as it was)."""
+        if self.step.ended:
+            return self._place_at_end[1]
         return dist.get_world_size() if self._dist("num_processes") else 1
 
     @property
@@ -267,6 +274,65 @@ class Engine:
         if self.is_local_main_process:
             builtins.print(*args, **kwargs)
 
+    # ================================================================= metrics
+    def log_to(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        tensorboard: bool = False,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Log this run's metrics into `directory` (main process only; appends).
+
+        `engine.log(...)` then writes one line per call to ``directory/metrics.jsonl`` (what
+        `ds-engine plot` draws), and with `tensorboard` to ``directory/tensorboard`` too.
+
+        Args:
+            directory: Folder for the metrics (created if missing).
+            tensorboard: Also log to TensorBoard (needs the `tensorboard` package).
+            config: The run's hyperparameters, written to ``directory/run_config.json``.
+        """
+        if self._run_log is not None:
+            self._run_log.close()
+            self._run_log = None
+        if self.is_main_process:
+            from ds_engine.tracking import RunLog
+
+            self._run_log = RunLog(directory, tensorboard=tensorboard)
+            if config is not None:
+                self._run_log.store_config(config)
+
+    def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Log `values` (numbers, strings, one-element tensors) at `step` (main process only).
+
+        At an accumulation boundary the Engine's own facts are added unless `values` has them:
+        `lr` (the prepared scheduler's first group), `grad_norm` (pre-clip), `skipped_steps`
+        and `loss_scale`. `step` defaults to the number of optimizer steps taken.
+
+        Raises:
+            RuntimeError: Before `log_to(directory)`.
+        """
+        if not self.is_main_process:
+            return
+        if self._run_log is None:
+            raise RuntimeError(
+                "`engine.log(...)` before `engine.log_to(directory)`: there is nowhere to write the "
+                "metrics. HINT: call `engine.log_to('out/run')` once before the loop."
+            )
+        record = dict(values)
+        if self.sync_gradients and self.num_optimizer_steps + self.num_skipped_steps > 0:
+            facts: dict[str, Any] = {
+                "grad_norm": self.grad_norm,
+                "skipped_steps": self.num_skipped_steps,
+                "loss_scale": self.loss_scale,
+            }
+            if self._scheduler is not None:
+                facts["lr"] = self._scheduler.get_last_lr()[0]
+            elif self._optimizer is not None:
+                facts["lr"] = self._optimizer.param_groups[0]["lr"]
+            record = {**facts, **record}
+        self._run_log.log(record, step=self.num_optimizer_steps if step is None else int(step))
+
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
         """Run the block on the main process first, then on the others (e.g. dataset caching)."""
@@ -282,7 +348,9 @@ class Engine:
         Call it last, after saving: afterwards every call that trains, saves or communicates
         (`backward`, `accumulate`, the prepared optimizer's `step` / `zero_grad` and scheduler's
         `step`, `prepare`, `save_checkpoint`, `load_checkpoint`, `get_state_dict`,
-        `save_pretrained`, `gather`, ...) raises one RuntimeError, on every backend. Without it the
+        `save_pretrained`, `gather`, ...) raises one RuntimeError, on every backend; the rank
+        queries (`process_index`, `is_main_process`, `num_processes`, `print`) still answer, with
+        the values the run had. Without it the
         process group is destroyed at interpreter exit anyway (a gloo group left to
         finalization can abort a finished run), but an explicit call ends the run at a point
         every rank agrees on.
@@ -295,6 +363,18 @@ class Engine:
         """
         if self._ended:
             return
+        if self._run_log is not None:
+            self._run_log.close()
+            self._run_log = None
+        # `is_main_process` still answers afterwards: from the group, or the launcher's variables
+        if dist.is_available() and dist.is_initialized():
+            self._place_at_end = (dist.get_rank(), dist.get_world_size())
+        else:
+            with contextlib.suppress(ValueError):
+                self._place_at_end = (
+                    int(os.environ.get("RANK", "0")),
+                    int(os.environ.get("WORLD_SIZE", "1")),
+                )
         self.step.ended = True
         _GROUP_USERS.discard(self)
         if dist.is_available() and dist.is_initialized():
