@@ -24,6 +24,7 @@ other layout, the other serialization's weights), and nothing else:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -31,11 +32,16 @@ import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
+from ds_engine.cli import main as cli_main
 from ds_engine.weights import save_pretrained
 from tests.unit.test_save_faults import Mounts, fill
 
@@ -79,7 +85,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def assert_loads(folder: Path, model: torch.nn.Module) -> None:
     from transformers import GPT2LMHeadModel
 
-    reloaded, info = GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+    loaded: Any = GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+    reloaded, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     want = model.state_dict()
     for key, value in reloaded.state_dict().items():
@@ -225,13 +232,13 @@ def _die_at_rename(k: int) -> None:
     calls = [0]
     real_rename = os.rename
 
-    def rename(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] == k:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_rename(src, dst, *args, **kwargs)
 
-    os.rename = rename  # type: ignore[assignment]
+    os.rename = rename
 
 
 def _state(folder: Path) -> dict[str, torch.Tensor] | None:
@@ -319,3 +326,248 @@ def test_full_disk_leaves_the_previous_files_byte_identical(mounts: Mounts) -> N
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "run"]
     assert_loads(run, tiny_gpt2(0))
+
+
+# --------------------------------------------------------------------------- PEFT adapter folders
+def test_adapter_save_keeps_foreign_files_and_updates_the_model_card(tmp_path: Path) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    model = get_peft_model(tiny_gpt2(), config)
+    run = tmp_path / "run"
+    foreign = plant_foreign(run)
+    (run / "README.md").write_text("# my adapter\n\nnotes by the user\n")
+    (run / "adapter_model.bin").write_bytes(b"a stale adapter of the other serialization")
+    engine = _engine()
+    prepared = engine.prepare(model)
+    engine.save_pretrained(prepared, run)
+    after = snapshot(run)
+    assert {k: after[k] for k in foreign} == foreign
+    assert set(after) - set(foreign) == {"README.md", "adapter_config.json", "adapter_model.safetensors"}
+    card = (run / "README.md").read_text()
+    assert "notes by the user" in card and "library_name: peft" in card  # updated, as peft does
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), run)
+    want = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    got = reloaded.state_dict()
+    assert want and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_adapter_save_never_reads_a_linked_model_card(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    secret = tmp_path / "id_rsa"
+    secret.write_text(SECRET)
+    run = tmp_path / "run"
+    plant_foreign(run)
+    (run / "README.md").symlink_to(secret)
+    model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    engine = _engine()
+    engine.save_pretrained(engine.prepare(model), run)
+    assert secret.read_text() == SECRET
+    assert not (run / "README.md").is_symlink()
+    assert all(SECRET.encode() not in data for data in snapshot(run).values())
+
+
+# --------------------------------------------------------------------------- consolidate
+TAG = "t1"
+
+
+def zero0_checkpoint(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The layout DeepSpeed writes at ZeRO-0 (what `consolidate` reads) and a config.json."""
+    (folder / TAG).mkdir(parents=True)
+    (folder / "latest").write_text(TAG)
+    torch.manual_seed(seed)
+    module = torch.nn.Linear(4, 1).state_dict()
+    torch.save({"module": module}, folder / TAG / "mp_rank_00_model_states.pt")
+    (folder / "config.json").write_text(json.dumps({"model_type": "demo", "hidden_size": 4}))
+    (folder / "generation_config.json").write_text(json.dumps({"max_length": 7}))
+    return module
+
+
+#: output folder -> how it relates to the checkpoint folder `run/ckpt`
+APART = {
+    "the checkpoint itself": ("run/ckpt", "is"),
+    "its parent": ("run", "contains"),
+    "a folder inside it": ("run/ckpt/hf", "lies inside"),
+    "a link to it": ("link", "is"),
+    "inside a link to it": ("link/hf", "lies inside"),
+}
+
+
+@pytest.mark.parametrize("output,relation", APART.values(), ids=list(APART))
+def test_consolidate_refuses_an_output_that_overlaps_the_checkpoint(
+    tmp_path: Path, output: str, relation: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = tmp_path / "run" / "ckpt"
+    zero0_checkpoint(checkpoint)
+    (tmp_path / "link").symlink_to(checkpoint)
+    before = snapshot(tmp_path)
+    status = cli_main(["consolidate", str(checkpoint), str(tmp_path / output)])
+    error = capsys.readouterr().err
+    assert status == 2, error
+    assert re.fullmatch(
+        rf"ds-engine: error: output folder '{re.escape(str(tmp_path / output))}' {relation} the checkpoint "
+        rf"folder '{re.escape(str(checkpoint))}' being consolidated.* the output must lie apart from it.* "
+        rf"HINT: write to another folder, e.g. '{re.escape(str(checkpoint))}-hf'.\n",
+        error,
+    ), error
+    assert snapshot(tmp_path) == before  # nothing read was removed, nothing written
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "latest",
+        TAG,
+    ]
+    assert not [p for p in tmp_path.rglob(".*")]
+
+
+def test_consolidate_into_a_folder_beside_the_checkpoint_keeps_its_files(tmp_path: Path) -> None:
+    from ds_engine.consolidate import consolidate_checkpoint
+
+    checkpoint = tmp_path / "run" / "ckpt"
+    weights = zero0_checkpoint(checkpoint)
+    out = tmp_path / "run" / "final"
+    foreign = plant_foreign(out)
+    consolidate_checkpoint(checkpoint, out)
+    after = snapshot(out)
+    assert {k: after[k] for k in foreign} == foreign
+    assert set(after) - set(foreign) == {"config.json", "generation_config.json", "model.safetensors"}
+    assert torch.equal(safetensors.torch.load_file(out / "model.safetensors")["weight"], weights["weight"])
+    assert json.loads((out / "generation_config.json").read_text()) == {"max_length": 7}
+
+
+@dataclass(frozen=True)
+class ModelFolderCase:
+    """`plant(checkpoint, secret)` spoils `spoiled` (a path under the test's folder, whose
+    checkpoint is `ckpt/`) and returns extra CLI arguments; `refused` is the error (a regex,
+    `{file}` the spoiled file) or None: consolidate works."""
+
+    name: str
+    plant: Callable[[Path, Path], list[str]]
+    spoiled: str
+    refused: str | None
+
+
+def _link(name: str, to_secret: bool = True) -> Callable[[Path, Path], list[str]]:
+    def plant(checkpoint: Path, secret: Path) -> list[str]:
+        (checkpoint / name).unlink()
+        (checkpoint / name).symlink_to(secret if to_secret else checkpoint / "gone.json")
+        return []
+
+    return plant
+
+
+def _fifo(name: str) -> Callable[[Path, Path], list[str]]:
+    def plant(checkpoint: Path, secret: Path) -> list[str]:
+        (checkpoint / name).unlink()
+        os.mkfifo(checkpoint / name)
+        return []
+
+    return plant
+
+
+def _content(text: str) -> Callable[[Path, Path], list[str]]:
+    def plant(checkpoint: Path, secret: Path) -> list[str]:
+        (checkpoint / "config.json").write_text(text)
+        return []
+
+    return plant
+
+
+def _tag_config_link(checkpoint: Path, secret: Path) -> list[str]:
+    (checkpoint / TAG / "config.json").symlink_to(secret)  # found first: the tag folder
+    return []
+
+
+def _config_from_link(checkpoint: Path, secret: Path) -> list[str]:
+    model = checkpoint.parent / "model"
+    model.mkdir()
+    (model / "config.json").symlink_to(secret)
+    return ["--config-from", str(model)]
+
+
+def _generation_folder(checkpoint: Path, secret: Path) -> list[str]:
+    (checkpoint / "generation_config.json").unlink()
+    (checkpoint / "generation_config.json").mkdir()  # not a file: there is none to copy
+    return []
+
+
+_LINK = (
+    r"refusing to read '{file}': it is a symbolic link, and a model's config files are read only as "
+    r"regular files in their folder"
+)
+_FIFO = r"refusing to read '{file}': it is a FIFO \(named pipe\), and a model's config files"
+_CONFIG, _GENERATION = "ckpt/config.json", "ckpt/generation_config.json"
+#: Hostile or broken model-config inputs of `ds-engine consolidate`.
+MODEL_FOLDER_CASES = (
+    ModelFolderCase("generation-config-link-to-secret", _link("generation_config.json"), _GENERATION, _LINK),
+    ModelFolderCase("config-link-to-secret", _link("config.json"), _CONFIG, _LINK),
+    ModelFolderCase("config-dangling-link", _link("config.json", to_secret=False), _CONFIG, _LINK),
+    ModelFolderCase("config-fifo", _fifo("config.json"), _CONFIG, _FIFO),
+    ModelFolderCase("generation-config-fifo", _fifo("generation_config.json"), _GENERATION, _FIFO),
+    ModelFolderCase("config-in-tag-folder-link", _tag_config_link, f"ckpt/{TAG}/config.json", _LINK),
+    ModelFolderCase("config-from-link", _config_from_link, "model/config.json", _LINK),
+    ModelFolderCase(
+        "config-a-list",
+        _content("[1, 2]"),
+        _CONFIG,
+        r"model config '{file}' is not a config.json \(a JSON list, not an object\); allowed: a JSON "
+        r"object of settings",
+    ),
+    ModelFolderCase(
+        "config-not-json",
+        _content("{nope"),
+        _CONFIG,
+        r"model config '{file}' is not a config.json \(Expecting",
+    ),
+    ModelFolderCase("generation-config-a-folder", _generation_folder, _GENERATION, None),
+)
+
+
+@pytest.mark.timeout(120)  # a FIFO that is opened blocks forever: fail instead
+@pytest.mark.parametrize("case", MODEL_FOLDER_CASES, ids=[c.name for c in MODEL_FOLDER_CASES])
+def test_consolidate_reads_config_files_only_as_regular_files(
+    tmp_path: Path, case: ModelFolderCase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint, out = tmp_path / "ckpt", tmp_path / "out"
+    weights = zero0_checkpoint(checkpoint)
+    secret = tmp_path / "id_rsa"
+    secret.write_text(json.dumps({"key": SECRET}))
+    extra = case.plant(checkpoint, secret)
+    status = cli_main(["consolidate", str(checkpoint), str(out), *extra])
+    error = capsys.readouterr().err
+    assert SECRET not in error
+    if case.refused is None:
+        assert status == 0, error
+        assert torch.equal(
+            safetensors.torch.load_file(out / "model.safetensors")["weight"], weights["weight"]
+        )
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        return
+    assert status == 2, error
+    pattern = case.refused.format(file=re.escape(str(tmp_path / case.spoiled)))
+    assert re.fullmatch(rf"ds-engine: error: {pattern}.*HINT: .*\n", error), error
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    assert secret.read_text() == json.dumps({"key": SECRET})
+
+
+def test_consolidate_api_names_the_linked_file(tmp_path: Path) -> None:
+    from ds_engine.consolidate import consolidate_checkpoint
+    from ds_engine.safety import UnsafeCheckpointError
+
+    checkpoint = tmp_path / "ckpt"
+    zero0_checkpoint(checkpoint)
+    secret = tmp_path / "id_rsa"
+    secret.write_text(SECRET)
+    _link("generation_config.json")(checkpoint, secret)
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"generation_config.json': it is a symbolic link.*HINT: if you trust the file, replace it by a "
+        r"regular copy \(`cp -L`\)",
+    ):
+        consolidate_checkpoint(checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
