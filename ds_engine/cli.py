@@ -451,7 +451,12 @@ def _run_launch(args: argparse.Namespace) -> int:
 def _add_consolidate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("consolidate", help="turn a ZeRO checkpoint into a from_pretrained folder, offline")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder given to save_checkpoint")
-    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="from_pretrained folder to write")
+    p.add_argument(
+        "output_dir",
+        metavar="OUTPUT_DIR",
+        help="from_pretrained folder to write, apart from CHECKPOINT_DIR (not it, not inside it, not "
+        "holding it); in an existing folder only the files written are replaced, the rest is kept",
+    )
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one in `latest`)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="output dtype")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 1GiB")
