@@ -563,6 +563,15 @@ def _compatibility(backend: Backend, meta: Mapping[str, Any], tag_dir: Path) -> 
     return backend.check_checkpoint(meta, tag_dir) or _optimizer_problem(backend, meta, tag_dir)
 
 
+def _unreadable(exc: OSError) -> str:
+    """An OS error met reading a checkpoint (a folder in a file's place, no permission), in words."""
+    where = f"checkpoint file {str(exc.filename)!r}" if exc.filename else "a checkpoint file"
+    return (
+        f"{where} cannot be read: {exc.strerror or exc}. HINT: a tag holds regular, readable files "
+        "only; restore the file, or load an older tag with `tag=...`."
+    )
+
+
 def _optimizer_problem(backend: Backend, meta: Mapping[str, Any], tag_dir: Path) -> str:
     """'' unless the tag records another optimizer class than the one `backend` trains with
     (tags written before the class was recorded, or without an optimizer, are not compared)."""
@@ -621,6 +630,8 @@ def load_training_checkpoint(
             outcome = (("ValueError", problem) if problem else None, found_tag, meta)
         except (FileNotFoundError, ValueError) as exc:
             outcome = ((type(exc).__name__, str(exc)), None, None)
+        except OSError as exc:  # a folder or an unreadable file where a file is read: every rank hears
+            outcome = (("ValueError", _unreadable(exc)), None, None)
     problem, found_tag, meta = broadcast_from_rank0(outcome)
     raise_problem(problem)
     root = Path(directory).absolute()

@@ -423,7 +423,13 @@ def restricted_torch_load(safe_globals: Sequence[Any] = ()) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- checkpoint folders
 def _read_small(path: Path, limit: int, what: str) -> bytes:
-    fd, info = _open_regular(path)
+    try:
+        fd, info = _open_regular(path)
+    except IsADirectoryError:
+        raise ValueError(
+            f"{str(path)!r} is a folder; allowed: {what} (a small regular file). HINT: the folder is "
+            "not the one ds_engine or DeepSpeed wrote; restore it, or load another tag."
+        ) from None
     try:
         data = os.read(fd, limit + 1)
     finally:

@@ -643,3 +643,24 @@ def deflate_bomb(path: Path, inflated: int = 2 * 1024**3) -> Path:
     end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(centrals), len(centrals), len(directory), offset, 0)
     path.write_bytes(b"".join(locals_) + directory + end)
     return path
+
+
+def _latest_folder(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    return None
+
+
+def _state_folder(root: Path, tag: str, victim: str, outside: Path) -> str | None:
+    (root / tag / victim).unlink()
+    (root / tag / victim).mkdir()
+    return None
+
+
+_FOLDER_AS_FILE = r"(Is a directory: '.*/{victim}'|{victim}' cannot be read: Is a directory\. HINT)"
+FOLDER_CASES += (
+    HostileFolder(
+        "latest_is_a_folder", _latest_folder, r"latest' is a folder; allowed: a `latest` file .*HINT"
+    ),
+    HostileFolder("state_file_is_a_folder", _state_folder, _FOLDER_AS_FILE),
+)
