@@ -116,6 +116,25 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+#: From this many logged steps on, the raw loss is drawn faint with its moving average over it.
+SMOOTH_FROM = 10
+
+
+def smoothed(values: list[float], weight: float | None = None) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing), `weight` from the length.
+
+    The default weight averages over about a tenth of the run (at least 2 points), so the
+    curve reads the same at 20 and at 2,000 logged steps.
+    """
+    if weight is None:
+        weight = 1.0 - 1.0 / max(2.0, len(values) / 10)
+    out, average = [], 0.0
+    for i, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**i))
+    return out
+
+
 def plot_metrics(
     metrics_path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None
 ) -> Path:
@@ -141,7 +160,12 @@ def plot_metrics(
     title = path.parent.name or str(path)
     fig.suptitle(f"{title}: {len(train)} logged steps, {len(evals)} evaluations", fontsize=11)
 
-    ax_loss.plot(*_series(train, "loss"), ".-", color="tab:blue", label="training loss")
+    loss_steps, losses = _series(train, "loss")
+    if len(losses) >= SMOOTH_FROM:
+        ax_loss.plot(loss_steps, losses, "-", color="tab:blue", alpha=0.3, lw=0.8, label="training loss")
+        ax_loss.plot(loss_steps, smoothed(losses), "-", color="tab:blue", lw=1.8, label="smoothed (EMA)")
+    else:
+        ax_loss.plot(loss_steps, losses, ".-", color="tab:blue", label="training loss")
     eval_steps, eval_losses = _series(evals, "eval_loss")
     if eval_steps:
         ax_loss.plot(eval_steps, eval_losses, "o--", color="tab:orange", label="validation loss")

@@ -96,7 +96,13 @@ def add_output_args(parser: argparse.ArgumentParser, *, output_dir: str) -> None
     """Output folder, metric lines, checkpoints and resume."""
     g = parser.add_argument_group("output")
     g.add_argument("--output-dir", default=output_dir)
-    g.add_argument("--log-every", type=int, default=10, help="optimizer steps between metric lines")
+    g.add_argument("--log-every", type=int, default=1, help="optimizer steps between metric lines")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=25,
+        help="optimizer steps between evaluations (0: before and after only)",
+    )
     g.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints")
     g.add_argument("--resume-from", default=None, help="OUT/checkpoints/step_N from --checkpoint-every")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
@@ -325,16 +331,15 @@ def num_optimizer_steps(engine: Engine, num_train: int, args: argparse.Namespace
 
 # ---------------------------------------------------------------------------------- metrics
 class MetricsLog:
-    """JSONL metrics (and optionally TensorBoard) written by the main process only."""
+    """The run's metrics through the library: `engine.log_to(out_dir)` / `engine.log` write
+    `metrics.jsonl` (and TensorBoard) from the main process; `close` draws `metrics.png`."""
 
-    def __init__(self, out_dir: Path, enabled: bool, tensorboard: bool, append: bool) -> None:
+    def __init__(self, engine: Engine, out_dir: Path, tensorboard: bool, append: bool) -> None:
+        self.engine = engine
         self.path = out_dir / "metrics.jsonl"
-        self._file = open(self.path, "a" if append else "w") if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        if engine.is_main_process and not append:
+            self.path.unlink(missing_ok=True)  # a fresh run starts a fresh file; a resume appends
+        engine.log_to(out_dir, tensorboard=tensorboard)
         self.start = self._tick = time.perf_counter()
 
     def start_clock(self) -> float:
@@ -343,15 +348,9 @@ class MetricsLog:
         return self.start
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one JSON line (and its numbers to TensorBoard at `record["step"]`)."""
-        if self._file is None:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record["step"])
+        """Log one record at `record["step"]` (main process only)."""
+        values = {k: v for k, v in record.items() if k != "step"}
+        self.engine.log(values, step=record["step"])
 
     def train_step(
         self, engine: Engine, *, step: int, epoch: int, loss: float, lr: float, samples: int
@@ -389,19 +388,17 @@ class MetricsLog:
         }
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._file is not None:  # metrics.png beside metrics.jsonl; never fails the run
-            try:
-                from ds_engine.plot import plot_metrics
+        """Draw `metrics.png` beside `metrics.jsonl` (main process; never fails the run)."""
+        if not self.engine.is_main_process:
+            return
+        try:
+            from ds_engine.plot import plot_metrics
 
-                plot_metrics(self.path)
-            except ImportError as exc:
-                print(f"note: no metrics.png: {exc}", flush=True)
-            except Exception as exc:
-                print(f"note: no metrics.png ({type(exc).__name__}: {exc})", flush=True)
+            plot_metrics(self.path)
+        except ImportError as exc:
+            print(f"note: no metrics.png: {exc}", flush=True)
+        except Exception as exc:
+            print(f"note: no metrics.png ({type(exc).__name__}: {exc})", flush=True)
 
 
 def run_facts(

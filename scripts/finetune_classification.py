@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # ---- resume: the engine restores weights, optimizer, schedule, RNG and the loader's position
     step = resume(engine, args.resume_from) if args.resume_from else 0
-    log = MetricsLog(out_dir, main_proc, args.tensorboard, append=bool(args.resume_from))
+    log = MetricsLog(engine, out_dir, args.tensorboard, append=bool(args.resume_from))
 
     before = evaluate(engine, model, eval_dl)
     log.write(
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
                 progress.set_postfix(log.postfix(record))
                 samples = 0
+            if args.eval_every and step % args.eval_every == 0 and step < total_steps:
+                during = evaluate(engine, model, eval_dl)  # collective: every rank is at this step
+                log.write({"step": step, "eval_loss": during["loss"], "eval_accuracy": during["accuracy"]})
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 save_checkpoint(engine, out_dir, step)
             if step >= total_steps:

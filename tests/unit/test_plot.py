@@ -186,3 +186,13 @@ def test_only_out_of_range_steps_is_an_error_with_a_hint(tmp_path, capsys):
     assert cli_main(["plot", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ds-engine: error: ") and "holds no train-step records" in err and "HINT:" in err
+
+
+def test_smoothed_loss_is_a_debiased_moving_average() -> None:
+    from ds_engine.plot import smoothed
+
+    assert smoothed([2.0] * 30) == pytest.approx([2.0] * 30)  # no bias towards 0 at the start
+    step = smoothed([1.0] * 20 + [0.0] * 20)
+    assert step[0] == 1.0 and step[19] == pytest.approx(1.0)
+    assert 0.0 < step[25] < step[21] < 1.0 and step[-1] < 0.2  # follows the change, lagging a little
+    assert smoothed([3.0, 1.0], weight=0.5) == pytest.approx([3.0, (0.5 * 1.5 + 0.5) / 0.75])
