@@ -23,7 +23,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from ds_engine._values import AUTO, _is_int
 from ds_engine.config_rules import (
@@ -186,6 +186,49 @@ class EngineConfig:
     def from_kwargs(cls, **choices: Any) -> EngineConfig:
         """Same as `EngineConfig(**choices)`; every keyword given counts as explicit."""
         return cls(**choices)
+
+
+class EngineChoices(TypedDict, total=False):
+    """`EngineConfig`'s fields as the keyword choices of `Engine(...)` (for IDEs and type checkers).
+
+    Each has the meaning, default and checks of the `EngineConfig` field of the same name;
+    `tests/unit/test_config.py` keeps the two lists equal.
+    """
+
+    zero_stage: int
+    precision: Precision
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    micro_batch_size: int | Literal["auto"]
+    offload_optimizer: OffloadDevice
+    offload_params: OffloadDevice
+    nvme_path: str | None
+    pin_memory: bool
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    hysteresis: int
+    min_loss_scale: float
+    bf16_check_grad_overflow: bool
+    overlap_comm: bool
+    contiguous_gradients: bool
+    reduce_bucket_size: int | Literal["auto"]
+    allgather_bucket_size: int
+    stage3_prefetch_bucket_size: int | Literal["auto"]
+    stage3_param_persistence_threshold: int | Literal["auto"]
+    stage3_max_live_parameters: int
+    stage3_max_reuse_distance: int
+    stage3_gather_16bit_weights_on_model_save: bool
+    activation_checkpointing: bool
+    activation_checkpointing_partition: bool
+    activation_checkpointing_cpu: bool
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    coalesce_grad_reduction: bool
+    skip_nonfinite_steps: bool
+    steps_per_print: int
+    max_consecutive_skipped_steps: int
+    dist_timeout_s: int
 
 
 def _unknown_key_error(key: str, valid: tuple[str, ...], what: str) -> ConfigError:
@@ -435,6 +478,7 @@ __all__ = [
     "PRECISIONS",
     "STEPS_PER_PRINT_OFF",
     "ConfigError",
+    "EngineChoices",
     "EngineConfig",
     "JsonSource",
     "OffloadDevice",

@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,11 @@ from ds_engine._console import quiet_console
 from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ds_engine.config import EngineChoices
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.generation import any_gathered as _any_gathered
 from ds_engine.generation import gathered as _gathered
@@ -83,7 +88,7 @@ class Engine:
         config: EngineConfig | str | os.PathLike[str] | Mapping[str, Any] | None = None,
         *,
         backend: str = "auto",
-        **choices: Any,
+        **choices: Unpack[EngineChoices],
     ) -> None:
         quiet_console()  # rank 0 speaks; before DeepSpeed is imported (see ds_engine._console)
         if config is None and os.environ.get(CONFIG_ENV):
@@ -895,13 +900,6 @@ class Engine:
                 f"`{self._caller}.backward(loss.mean())` (per-sample or per-token losses), or pass "
                 "`reduction='mean'` to the loss function."
             )
-        if not loss.requires_grad:
-            raise ValueError(
-                f"`{self._caller}.backward(loss)` got a loss ({float(loss.detach()):.6g}) that does not "
-                "require gradients: nothing connects it to a trained parameter (computed under "
-                "`torch.no_grad()`, from `.detach()`ed outputs, or with every parameter frozen). HINT: "
-                "compute the loss from the prepared model's forward with gradients enabled."
-            )
         if self._optimizer is None:
             if self._model is not None:
                 raise RuntimeError(
@@ -920,6 +918,13 @@ class Engine:
                 "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
             )
         self._refuse_training_while_gathered("engine.backward(loss)")
+        if not loss.requires_grad:
+            raise ValueError(
+                f"`{self._caller}.backward(loss)` got a loss ({float(loss.detach()):.6g}) that does not "
+                "require gradients: nothing connects it to a trained parameter (computed under "
+                "`torch.no_grad()`, from `.detach()`ed outputs, or with every parameter frozen). HINT: "
+                "compute the loss from the prepared model's forward with gradients enabled."
+            )
         context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if not self._in_accumulate:
             self._begin_micro_step()  # a micro-step of its own, with its own no_sync decision
