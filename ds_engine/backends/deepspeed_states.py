@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -356,7 +357,14 @@ def _cached_universal(target: Path, tag_dir: Path) -> bool:
         recorded = read_json_bounded(target / UNIVERSAL_SOURCE_NAME, "it is converted again")
     except (OSError, ValueError):
         return False  # none recorded (or junk): converted from who knows what
-    return bool(recorded == json.loads(json.dumps(tag_fingerprint(tag_dir))))
+    if recorded != json.loads(json.dumps(tag_fingerprint(tag_dir))):
+        return False
+    for folder, subfolders, files in os.walk(target):  # links are never followed: convert again
+        for name in subfolders + files:
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                return False
+    return True
 
 
 def convert_to_universal(tag_dir: Path) -> Path:
