@@ -605,7 +605,7 @@ class Engine:
         sized_from = self.schedule_sized_from
         if sized_from not in ("auto", "prepared", "unprepared"):
             raise ValueError(
-                f"`engine.schedule_sized_from = {sized_from!r}`; allowed: 'auto', 'prepared', "
+                f"`{self._caller}.schedule_sized_from = {sized_from!r}`; allowed: 'auto', 'prepared', "
                 "'unprepared'. HINT: 'unprepared' when num_training_steps came from "
                 "len(dataloader) before `prepare` (accelerate's scripts), else 'prepared'."
             )
@@ -657,11 +657,12 @@ class Engine:
                 logging.WARNING if guess and not only_chosen_fits else logging.INFO,
                 "ds_engine: the LR schedule is read as sized from the %s dataloader, so it advances %d "
                 "time(s) per applied optimizer step on %d processes: %s. HINT: set "
-                "`engine.schedule_sized_from = %r` before `prepare` for the other reading.",
+                "`%s.schedule_sized_from = %r` before `prepare` for the other reading.",
                 chosen,
                 per_step,
                 world,
                 why,
+                self._caller,
                 "prepared" if chosen == "unprepared" else "unprepared",
             )
         return per_step

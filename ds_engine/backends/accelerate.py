@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -157,6 +158,16 @@ class AccelerateBackend(Backend):
                 "holds full parameters, gradients and optimizer states.",
                 stacklevel=3,
             )
+
+    def destroy_process_group(self) -> None:
+        """Through DeepSpeed when it knows the group (a DeepSpeed Engine of this process formed or
+        used it): it then drops its cached groups too, which a later DeepSpeed Engine would
+        otherwise reduce over after they are destroyed."""
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            super().destroy_process_group()
 
     @property
     def device(self) -> torch.device:

@@ -42,6 +42,7 @@ def test_engine_misuse_on_two_ranks(backend):
         # after end_training: the group is gone, every call raises the same error, nothing is written
         after = r["after_end"]
         assert not after["group_alive"] and not after["written"]
+        assert after["place"] == [r["rank"], 2, r["rank"] == 0]  # rank queries still answer
         for name, error in after["errors"].items():
             assert (
                 error.startswith("RuntimeError: `")

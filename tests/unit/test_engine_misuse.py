@@ -78,6 +78,7 @@ def test_an_optimizer_over_another_models_parameters_is_refused_at_prepare(backe
         ValueError, match=r"1 of its 3 parameters are not.*param_groups\[1\]\['params'\]\[0\], shape \(2,\)"
     ):
         engine.prepare(model, torch.optim.SGD(groups, lr=0.1))
+    engine.end_training()  # no Engine of this test outlives it (they share the group)
 
 
 def test_an_optimizer_over_part_of_the_model_is_fine():
@@ -91,6 +92,7 @@ def test_an_optimizer_over_part_of_the_model_is_fine():
     optimizer.step()
     inner = engine.unwrap_model(model)
     assert not torch.equal(inner[1].weight, before) and torch.equal(inner[0].weight, frozen)
+    engine.end_training()  # no Engine of this test outlives it (they share the group)
 
 
 # ------------------------------------------------------------------ after end_training
@@ -139,6 +141,10 @@ def test_every_call_after_end_training_raises_the_same_error(backend, tmp_path):
         assert re.search(r"HINT: call `end_training\(\)` once, as the script's last call", message), message
     assert engine.num_optimizer_steps == steps and scheduler.get_last_lr() == lr
     assert not list(tmp_path.iterdir())  # nothing was written
+    # what needs neither the group nor the prepared objects still answers
+    assert engine.is_main_process and engine.num_processes == 1 and engine.process_index == 0
+    engine.print("done")
+    assert engine.unwrap_model(model) is not None
 
 
 def test_the_accelerate_surface_names_its_own_object_after_end_training(tmp_path):
@@ -211,6 +217,7 @@ def test_a_break_before_training_the_batch_resumes_at_that_batch(tmp_path):
         optimizer.step()
         optimizer.zero_grad()
     assert engine.state_dict()["dataloaders"][0]["next_batch"] == 3
+    engine.end_training()  # no Engine of this test outlives it (they share the group)
 
 
 def test_a_break_out_of_a_loop_over_two_zipped_loaders_keeps_both_positions():
@@ -227,6 +234,7 @@ def test_a_break_out_of_a_loop_over_two_zipped_loaders_keeps_both_positions():
         if step == 2:
             break
     assert [d["next_batch"] for d in engine.state_dict()["dataloaders"]] == [3, 3]
+    engine.end_training()  # no Engine of this test outlives it (they share the group)
 
 
 def test_a_break_out_of_an_evaluation_loop_starts_its_next_pass_afresh(tmp_path):
@@ -251,6 +259,7 @@ def test_a_break_out_of_an_evaluation_loop_starts_its_next_pass_afresh(tmp_path)
     positions = [(d["epoch"], d["next_batch"]) for d in engine.state_dict()["dataloaders"]]
     assert positions == [(0, 3), (0, 0)]
     assert next(iter(evaluation))[0][0, 0].item() == 0.0  # the live next pass starts afresh too
+    engine.end_training()  # no Engine of this test outlives it (they share the group)
 
 
 def test_set_epoch_to_another_epoch_drops_a_position_of_the_old_one(tmp_path):

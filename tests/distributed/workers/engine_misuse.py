@@ -147,6 +147,7 @@ def after_end(backend: str, out: Path) -> dict[str, Any]:
         "prepare": lambda: engine.prepare(DataLoader(data(8), batch_size=2)),
     }
     return {
+        "place": [engine.process_index, engine.num_processes, engine.is_main_process],
         "group_alive": dist.is_initialized(),
         "errors": {name: error_of(fn) for name, fn in calls.items()},
         "written": folder.exists(),
@@ -157,7 +158,7 @@ def main() -> None:
     args = parse_args([("--backend", {"required": True})])
     out = Path(args.out)
     backend = args.backend
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"rank": rank()}
     try:
         result["lengths"] = lengths_differ(backend)
         stages = (0, 2, 3) if backend == "deepspeed" else (0,)
