@@ -79,4 +79,6 @@ def test_example_runs_as_launched(name: str, tmp_path: Path) -> None:
     assert found, result.stdout[-4000:]
     if name == "lora":
         assert float(found.group(1)) < 1e-4  # the merged model is the adapted model
+    if name == "accelerate_port":  # hints name the script's own object
+        assert "HINT: set `accelerator.schedule_sized_from = " in result.stdout, result.stdout[-4000:]
     assert (tmp_path / "out" / name).is_dir()
