@@ -22,7 +22,7 @@ other layout, the other serialization's weights), and removes nothing else.
     same way); then the new shards; the new index or single file last. A crash in between
     leaves a folder `from_pretrained` refuses (no weights file), never one it loads with a
     mix of old and new weights; the previous files are then in `.ds_engine-save-<pid>/old/`.
-    An error while moving puts every previous file back.
+    An error while moving puts every previous file back and names the file it failed on.
 
 * `read_regular(path, ...)` -- a small file of a model or checkpoint folder, read only when it
   is a regular file: never through a symbolic link, never blocking on a FIFO or device.
@@ -38,7 +38,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ds_engine._io import fsync_dir, fsync_file, publish, tmp_sibling
+from ds_engine._io import fsync_dir, fsync_file, publish, tmp_sibling, write_failure
 from ds_engine.safety import UnsafeCheckpointError
 
 __all__ = ["ADAPTER_WEIGHTS", "MODEL_WEIGHTS", "STAGING_PREFIX", "Staging", "read_regular"]
@@ -74,7 +74,11 @@ class Staging:
 
     def __init__(self, target: Path) -> None:
         self.target = target
-        if target.is_dir():  # a link to a folder counts: the save goes into the folder it names
+        try:  # a link to a folder counts: the save goes into the folder it names
+            into = target.is_dir()
+        except OSError:  # unreadable: `start` reports it (on the writing rank, as a write error)
+            into = False
+        if into:
             self.root = target / f"{STAGING_PREFIX}{os.getpid()}"
             self.folder = self.root / "new"
         else:
@@ -103,11 +107,8 @@ class Staging:
         _check_fits(self.folder, self.target)
         if self._swap_whole(weights):
             return
-        aside = self.root / "old" if self.folder != self.root else tmp_sibling(self.target, "old")
-        n = 0
-        while os.path.lexists(aside.with_name(f"{aside.name}-{n}" if n else aside.name)):
-            n += 1  # a folder of previous files kept by an earlier failure: never mixed with
-        _merge(self.folder, self.target, aside.with_name(f"{aside.name}-{n}" if n else aside.name), weights)
+        aside = self.root / "old" if self.folder != self.root else tmp_sibling(self.target, "replaced")
+        _merge(self.folder, self.target, _unused(aside), weights)
         self.discard()
 
     def _swap_whole(self, weights: re.Pattern[str]) -> bool:
@@ -129,6 +130,15 @@ class Staging:
             shutil.rmtree(whole, ignore_errors=True)
             raise
         return True
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or `path-<n>` when that exists (previous files an earlier failure could not put
+    back are kept there: never mixed with another save's)."""
+    n = 0
+    while os.path.lexists(path.with_name(f"{path.name}-{n}" if n else path.name)):
+        n += 1
+    return path.with_name(f"{path.name}-{n}" if n else path.name)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -177,15 +187,18 @@ def _merge(new: Path, target: Path, aside: Path, weights: re.Pattern[str]) -> No
     set_aside: list[tuple[Path, Path]] = []  # (final path, where the previous entry is now)
     moved_in: list[Path] = []  # final paths that now hold a new file or folder
     touched: list[Path] = []
+    at = [target]  # the final path being moved, for the error
 
     def put_aside(path: Path) -> None:
         place = aside / f"{len(set_aside)}-{path.name}"
+        at[0] = path
         os.rename(path, place)
         set_aside.append((path, place))
 
     def move_in(src: Path, dst: Path) -> None:
         if os.path.lexists(dst):
             put_aside(dst)
+        at[0] = dst
         os.rename(src, dst)
         moved_in.append(dst)
 
@@ -222,6 +235,9 @@ def _merge(new: Path, target: Path, aside: Path, weights: re.Pattern[str]) -> No
                 f"{str(aside)!r}. HINT: move them back into {str(target)!r} by hand",
             ) from exc
         aside.rmdir()
+        failure = write_failure(exc, at[0], "the saved model's files") if isinstance(exc, OSError) else None
+        if failure is not None:  # names the file and the cause, with a HINT; all put back
+            raise failure from exc
         raise
     for folder in touched:
         fsync_dir(folder)

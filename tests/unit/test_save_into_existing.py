@@ -303,6 +303,34 @@ def test_kill_at_every_rename_never_mixes_old_and_new_weights(tmp_path: Path) ->
         assert {"old", "new"} <= seen, (name, seen)
 
 
+def _chattr(flag: str, path: Path) -> bool:
+    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def test_a_move_that_fails_part_way_puts_every_previous_file_back(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    plant_foreign(run)
+    save_pretrained(tiny_gpt2(0), run, max_shard_size="40KB")
+    before = snapshot(run)
+    shards = sorted(p for p in run.iterdir() if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", p.name))
+    stuck = shards[-1]  # set aside after the index and the other shards
+    if shutil.which("chattr") is None or not _chattr("+i", stuck):
+        pytest.skip("needs `chattr +i` (root, a filesystem with the immutable flag): the real failing rename")
+    try:
+        with pytest.raises(
+            PermissionError,
+            match=rf"Operation not permitted: could not write the saved model's files to "
+            rf"'{re.escape(str(stuck))}'.*HINT: make the folder writable",
+        ):
+            save_pretrained(tiny_gpt2(1), run)
+    finally:
+        _chattr("-i", stuck)
+    assert snapshot(run) == before  # every previous file back in place, byte for byte
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+    assert_loads(run, tiny_gpt2(0))
+
+
 @pytest.fixture
 def mounts(tmp_path: Path):
     made = Mounts(tmp_path)
