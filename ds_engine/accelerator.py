@@ -907,8 +907,11 @@ class Accelerator(Engine):
         """Save everything needed to resume into `output_dir` (a ds_engine checkpoint). Collective.
 
         With `ProjectConfiguration(automatic_checkpoint_naming=True)` the folder is
-        ``project_dir/checkpoints/checkpoint_<iteration>`` and the oldest are deleted beyond
-        `total_limit`, as in accelerate. Returns the folder.
+        ``project_dir/checkpoints/checkpoint_<iteration>`` and, once it is complete, the oldest
+        complete ones beyond `total_limit` are deleted, as in accelerate (a folder that holds no
+        complete saved state is never counted nor deleted). A save that fails (a full disk, say:
+        an OSError on every rank naming the rank, the file and the cause) deletes nothing and
+        leaves no ``checkpoint_<iteration>`` behind. Returns the folder.
         """
         if kwargs:
             raise TypeError(
@@ -952,7 +955,8 @@ class Accelerator(Engine):
     def load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: Any = None, **kwargs: Any
     ) -> None:
-        """Restore a `save_state` folder (the newest `checkpoint_<i>` under automatic naming). Collective."""
+        """Restore a `save_state` folder (under automatic naming the newest `checkpoint_<i>` that holds
+        a complete saved state). Collective."""
         if kwargs or load_kwargs:
             raise TypeError("load_state takes no extra arguments in ds_engine.")
         pc = self.project_configuration

@@ -27,6 +27,7 @@ user's module, and the Engine as a `TrainingState` (its public step facts and it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -281,9 +282,11 @@ def save_training_checkpoint(
     staging_root = target_root / f".{tag}.tmp"
     staging = staging_root / tag
     error: BaseException | None = None
+    made_root = False  # rank 0: this save made `directory` (removed again, empty, if it fails)
     if rank == 0:
         try:
             shutil.rmtree(staging_root, ignore_errors=True)
+            made_root = not target_root.exists()
             staging.mkdir(parents=True)
         except OSError as exc:
             error = _staging_failure(exc, target_root, staging_root)
@@ -318,6 +321,9 @@ def save_training_checkpoint(
     if failures:
         if rank == 0:
             shutil.rmtree(staging_root, ignore_errors=True)
+            if made_root:
+                with contextlib.suppress(OSError):
+                    target_root.rmdir()  # only while empty: nothing but this save's is removed
         _raise_save_failure(error, failures, target_root, tag)
     return target_root / tag
 

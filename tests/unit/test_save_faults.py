@@ -179,6 +179,25 @@ def test_engine_save_checkpoint_on_a_faulty_disk(mounts: Mounts, fault: Fault) -
         assert sorted(os.listdir(ckpt)) == ["latest", "step_2"]
 
 
+def test_a_failed_first_save_leaves_no_folder_behind(mounts: Mounts) -> None:
+    """A save into a folder it creates, failing, removes that folder again (it made it, it is empty)."""
+    disk = mounts.tmpfs("disk")
+    (disk / "other").mkdir()
+    engine, model, optimizer, loader = _engine()
+    _step(engine, model, optimizer, next(iter(loader)))
+    filler = fill(disk)
+    with pytest.raises(
+        OSError, match=r"there is no complete one\): rank 0 failed: .*No space left on device"
+    ):
+        engine.save_checkpoint(disk / "ckpt")
+    assert sorted(os.listdir(disk)) == ["filler", "other"]
+    filler.unlink()
+    with pytest.raises(OSError, match=r"Read-only file system: cannot create '.*ckpt'"):
+        mounts.read_only(disk)
+        engine.save_checkpoint(disk / "ckpt")
+    assert sorted(os.listdir(disk)) == ["other"]
+
+
 class Counter:
     def __init__(self) -> None:
         self.n = 0
