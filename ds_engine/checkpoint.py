@@ -363,10 +363,10 @@ def _raise_save_failure(
     except Exception:
         newest = []
     kept = f"{newest[-1]!r} is still the newest complete one" if newest else "there is no complete one"
-    what = "; ".join(f"rank {rank} failed: {message}" for rank, message, _ in failures)
+    what = "; ".join(f"rank {rank} failed: {message.rstrip('.')}" for rank, message, _ in failures)
     message = (
         f"checkpoint {str(target_root / tag)!r} was not saved, nothing was published (of the "
-        f"checkpoints in {str(target_root)!r}, {kept}): {what}"
+        f"checkpoints in {str(target_root)!r}, {kept}): {what}."
     )
     code = error.errno if isinstance(error, OSError) else failures[0][2]
     if isinstance(code, int):

@@ -8,7 +8,8 @@ DeepSpeed's 30 minutes):
 * one rank's write fails with ENOSPC (injected into `torch.save` on that rank only, the way
   DeepSpeed and ds_engine write): DeepSpeed's optimizer partition on rank 1 (ZeRO-2, ZeRO-3),
   DeepSpeed's model file on rank 0, the fallback's RNG state on rank 1 and model state on rank 0;
-* the checkpoint folder on a real full filesystem (a 2 MiB tmpfs rank 0 fills): every rank fails;
+* the checkpoint folder on a real full filesystem (a 2 MiB tmpfs rank 0 fills; ZeRO-2, ZeRO-3, the
+  fallback): every rank fails;
 * that tmpfs read-only: rank 0 alone cannot make the staging folder.
 
 The tmpfs cases need the right to mount (root); without it they are left out, and
@@ -55,6 +56,12 @@ CORPUS: dict[str, tuple[str, dict[str, Any], str]] = {
     "zero2_full_disk": (
         "deepspeed",
         {"stage": 2, "how": "full"},
+        r"rank 0 failed: OSError: \[Errno 28\] No space left on device: could not write .*; rank 1 failed: "
+        r"OSError: \[Errno 28\] No space left on device: could not write",
+    ),
+    "zero3_full_disk": (
+        "deepspeed",
+        {"stage": 3, "how": "full"},
         r"rank 0 failed: OSError: \[Errno 28\] No space left on device: could not write .*; rank 1 failed: "
         r"OSError: \[Errno 28\] No space left on device: could not write",
     ),
