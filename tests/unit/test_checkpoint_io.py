@@ -263,13 +263,14 @@ def test_crash_mid_write_keeps_old_directory(tmp_path, monkeypatch):
     assert not (tmp_path / "fresh").exists()
 
 
-def test_save_replaces_existing_directory(tmp_path):
+def test_save_into_an_existing_folder_keeps_what_it_does_not_write(tmp_path):
     out = tmp_path / "model"
     out.mkdir()
-    (out / "stale.txt").write_text("from an older save")
+    (out / "notes.txt").write_text("the user's own file")
     net = TiedNet()
     save_pretrained(net, out)
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "the user's own file"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
     assert torch.equal(read_weights(out)["embed.weight"], net.embed.weight.detach())
 
