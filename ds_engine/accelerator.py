@@ -132,7 +132,7 @@ COMPAT: dict[str, tuple[str, str]] = {
     "load_state": (
         DIFFERS,
         "a folder written by `save_state` (ds_engine's checkpoint format, which also restores the "
-        "dataloader position); automatic naming picks the newest `checkpoint_<i>`",
+        "dataloader position); automatic naming picks the newest complete `checkpoint_<i>`",
     ),
     "local_main_process_first": (SUPPORTED, ""),
     "local_process_index": (SUPPORTED, ""),
@@ -196,7 +196,8 @@ COMPAT: dict[str, tuple[str, str]] = {
     "save_state": (
         DIFFERS,
         "ds_engine's checkpoint format in the folder (`<dir>/state/` and `<dir>/latest`); automatic "
-        "naming and `total_limit` rotation as in accelerate; call it at a boundary",
+        "naming and `total_limit` rotation as in accelerate, rotating only after the new save is "
+        "complete; call it at a boundary",
     ),
     "set_trigger": (SUPPORTED, ""),
     "should_save_model": (SUPPORTED, "True on the local main process"),
