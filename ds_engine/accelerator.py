@@ -9,7 +9,7 @@ names with accelerate's meanings. Where accelerate's behaviour is what the Engin
 accumulation boundary, the short last window, steps skipped on overflow), the Engine's
 semantics are kept; `COMPAT` records, for every public name of `accelerate.Accelerator`,
 whether it is supported, differs (and how) or does not apply, and
-``scripts/compat_table.py`` renders it into ``docs/accelerate_compat.md``.
+``scripts/tools/compat_table.py`` renders it into ``docs/accelerate_compat.md``.
 
 Names that accelerate's own classes already mean the same way are re-exported from accelerate
 (`DistributedType`, `DataLoaderConfiguration`, `DeepSpeedPlugin`, `ProjectConfiguration`,

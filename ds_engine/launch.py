@@ -129,7 +129,7 @@ def validate(spec: LaunchSpec) -> None:
     if not script.is_file():
         raise LaunchError(
             f"`SCRIPT` {spec.script!r}: no such file. HINT: give the path of your training script, "
-            "e.g. ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py"
+            "e.g. ds-engine launch --nproc-per-node 2 scripts/examples/finetune_classification.py"
         )
     nproc = spec.nproc_per_node
     if not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):

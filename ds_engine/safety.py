@@ -48,7 +48,7 @@ import torch
 # `torch.serialization.get_unsafe_globals_in_checkpoint` lists them for real ZeRO-0/1/2/3
 # checkpoints (fp32, bf16, fp16; CPU optimizer offload, and parameter offload on ZeRO-3) saved
 # through `Engine.save_checkpoint`, and for the universal checkpoints `ds_to_universal` writes
-# from them (ZeRO-0 files hold none). `scripts/bench_safe_load.py --allowlist` lists them again;
+# from them (ZeRO-0 files hold none). `scripts/benchmarks/bench_safe_load.py --allowlist` lists them again;
 # `tests/distributed/test_hostile_checkpoints.py` checks a real checkpoint holds no others.
 # DeepSpeed 0.19 stores no `argparse.Namespace` (older Megatron-style checkpoints did).
 # Each is a class whose construction only stores values and that has no `__setstate__`: the
