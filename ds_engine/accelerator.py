@@ -914,6 +914,7 @@ class Accelerator(Engine):
         an OSError on every rank naming the rank, the file and the cause) deletes nothing and
         leaves no ``checkpoint_<iteration>`` behind. Returns the folder.
         """
+        self._refuse_if_ended("save_state(...)")
         if kwargs:
             raise TypeError(
                 f"save_state got {sorted(kwargs)}; ds_engine's checkpoints take no extra arguments."
@@ -958,6 +959,7 @@ class Accelerator(Engine):
     ) -> None:
         """Restore a `save_state` folder (under automatic naming the newest `checkpoint_<i>` that holds
         a complete saved state). Collective."""
+        self._refuse_if_ended("load_state(...)")
         if kwargs or load_kwargs:
             raise TypeError("load_state takes no extra arguments in ds_engine.")
         pc = self.project_configuration

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ds_engine._console import quiet_console
+from ds_engine._values import env_int
 from ds_engine.backends import select_backend
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
@@ -100,7 +101,9 @@ class Engine:
         # never resolves again.
         from ds_engine.config import resolve_config
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = env_int("WORLD_SIZE", 1, minimum=1)
+        for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+            env_int(name, 0)  # the launcher's variables, checked before any library reads them
         resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
         self._backend = backend_cls(resolved)
@@ -246,7 +249,7 @@ class Engine:
         """Rank of this process on its node."""
         if not self.step.ended:
             self._dist("local_process_index")
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return env_int("LOCAL_RANK", 0)
 
     @property
     def num_processes(self) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ds_engine._values import env_int
 from ds_engine.backends.base import (
     Backend,
     Facts,
@@ -79,7 +79,7 @@ class AccelerateBackend(Backend):
 
     def _wants_fsdp(self) -> bool:
         """ZeRO-2/3 with more than one process: sharding is worth asking accelerate for."""
-        return self.effective.zero_stage >= 2 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        return self.effective.zero_stage >= 2 and env_int("WORLD_SIZE", 1, minimum=1) > 1
 
     def _fsdp_plugin(self) -> Any:
         """The FSDP2 plugin that mirrors the ZeRO stage (and CPU offload) of the config."""

@@ -18,6 +18,7 @@ import torch
 
 from ds_engine._console import quiet_unless_main
 from ds_engine._imports import require_deepspeed
+from ds_engine._values import env_int
 from ds_engine.adapters import tuner_layers_outside_zero_init
 from ds_engine.backends.base import (
     Backend,
@@ -103,7 +104,7 @@ class DeepSpeedBackend(Backend):
     def device(self) -> torch.device:
         from deepspeed.accelerator import get_accelerator
 
-        name = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
+        name = get_accelerator().device_name(env_int("LOCAL_RANK", 0))
         return torch.device(name)
 
     @property
