@@ -12,7 +12,7 @@ import stat
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_size", "read_regular_file", "words"]
+__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_count", "parse_size", "read_regular_file", "words"]
 
 #: DeepSpeed's word for "fill this value in from the facts" (and ds_engine's, for the same).
 AUTO = "auto"
@@ -90,6 +90,39 @@ def parse_size(size: int | str, *, name: str | None = None) -> int:
         raise ValueError(f"{shown} must be positive; allowed: {_ALLOWED}. {hint}")
     if value > MAX_SIZE:
         raise ValueError(f"{shown} is more than 1 EiB (2**60 bytes), the largest size accepted. {hint}")
+    return round(value)
+
+
+#: The largest count `parse_count` accepts: more parameters than any model has, so a typo.
+MAX_COUNT = 10**15
+
+#: Count units, case-insensitive: thousands, millions, billions (B or G) and trillions.
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A count from ``"1.5e9"``, ``"7B"``, ``"350M"`` or ``"125000"`` (units: K, M, B or G, T).
+
+    Written like a size (`parse_size`'s number pattern), in powers of 1000.
+
+    Raises:
+        ValueError: `text` is not a positive count in a known unit, or is over `MAX_COUNT`
+            (the message quotes it as "count ...").
+    """
+    example = "HINT: e.g. 1.5e9 or 7B"
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _COUNT_UNITS:
+        allowed = ", ".join(u for u in _COUNT_UNITS if u)
+        raise ValueError(
+            f"count {text!r} is not understood; allowed: a number with an optional unit ({allowed}). "
+            + example
+        )
+    value = float(match.group(1)) * _COUNT_UNITS[unit]
+    if value <= 0 or not math.isfinite(value):
+        raise ValueError(f"count {text!r} must be positive. {example}")
+    if value > MAX_COUNT:
+        raise ValueError(f"count {text!r} is more than {MAX_COUNT:.0e}, the most accepted. {example}")
     return round(value)
 
 

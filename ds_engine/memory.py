@@ -84,19 +84,33 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args
+from typing import TYPE_CHECKING, Any, TypedDict, Union, get_args
 
-from ds_engine._values import parse_size, words
+from ds_engine._memory_types import (
+    MemoryBreakdown,
+    MemoryEstimate,
+    OffloadDevice,
+    OptimizerName,
+    Precision,
+    Recommendation,
+    format_bytes,
+    format_count,
+)
+from ds_engine._model_shapes import (
+    ASSUMED_HIDDEN_PER_LAYER,
+    ASSUMED_VOCAB,
+    Limits,
+    count_params,
+    estimate_largest_layer,
+    meta_model,
+)
+from ds_engine._values import MAX_COUNT, parse_count, parse_size
 
 if TYPE_CHECKING:
     import torch
-
-Precision = Literal["bf16", "fp16", "fp32"]
-OffloadDevice = Literal["none", "cpu"]
-OptimizerName = Literal["adamw", "adam", "lion", "adagrad", "sgd_momentum", "sgd"]
+    from typing_extensions import Unpack
 
 #: fp32 optimizer state bytes per parameter.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
@@ -130,402 +144,51 @@ CHEAPEST = (
 ModelLike = Union[int, "torch.nn.Module", Any, str, os.PathLike]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryBreakdown:
-    """Bytes of model states on one device kind (one accelerator, or one node's host memory)."""
-
-    params: int
-    """Model weights (16-bit under mixed precision) held here."""
-    gradients: int
-    """Gradients held here (16-bit on the accelerator, fp32 on the host when offloaded)."""
-    optimizer_states: int
-    """fp32 master weights + fp32 gradients for the step + the optimizer's own state."""
-    working: int
-    """Accelerator: the gathered ZeRO-3 layer and its gradient. Host: the model-loading peak."""
-    total: int
-    """What must fit: the sum on the accelerator; on the host the larger of states and loading."""
-
-    @property
-    def model_states(self) -> int:
-        """Parameters + gradients + optimizer states (without the working term)."""
-        return self.params + self.gradients + self.optimizer_states
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryEstimate:
-    """Model-state memory of one training set-up; see the module docstring for the formulas."""
-
-    num_params: int
-    trainable_params: int
-    """Parameters with `requires_grad` (gradients and optimizer states are sized by these)."""
-    largest_layer_params: int
-    num_gpus_per_node: int
-    num_nodes: int
-    zero_stage: int
-    offload_optimizer: OffloadDevice
-    offload_params: OffloadDevice
-    precision: Precision
-    optimizer: OptimizerName
-    zero_init: bool
-    accelerator: MemoryBreakdown
-    """Bytes on each accelerator."""
-    host: MemoryBreakdown
-    """Bytes of host (CPU) memory on each node."""
-
-    @property
-    def num_gpus(self) -> int:
-        """Total number of accelerators (data-parallel ranks)."""
-        return self.num_gpus_per_node * self.num_nodes
-
-    @property
-    def label(self) -> str:
-        """Short name of the stage/offload choice, e.g. `ZeRO-3 + offload optimizer+params`."""
-        offload = []
-        if self.offload_optimizer != "none":
-            offload.append("optimizer")
-        if self.offload_params != "none":
-            offload.append("params")
-        suffix = f" + offload {'+'.join(offload)}" if offload else ""
-        return f"ZeRO-{self.zero_stage}{suffix}"
-
-    def describe(self) -> str:
-        """A few lines of human-readable text (GB = 1e9 bytes)."""
-        a, h = self.accelerator, self.host
-        return "\n".join(
-            [
-                f"{self.label}, {self.precision}, {self.optimizer}: {format_count(self.num_params)} params "
-                + (
-                    f"({format_count(self.trainable_params)} trainable) "
-                    if self.trainable_params != self.num_params
-                    else ""
-                )
-                + f"(largest layer {format_count(self.largest_layer_params)}) on {self.num_nodes} node(s) x "
-                f"{self.num_gpus_per_node} accelerator(s)",
-                f"  per accelerator: params {format_bytes(a.params)} + grads {format_bytes(a.gradients)}"
-                f" + optimizer {format_bytes(a.optimizer_states)} + working layer {format_bytes(a.working)}"
-                f" = {format_bytes(a.total)}",
-                f"  per host (node): params {format_bytes(h.params)} + grads {format_bytes(h.gradients)}"
-                f" + optimizer {format_bytes(h.optimizer_states)}; loading peak {format_bytes(h.working)}"
-                f" -> {format_bytes(h.total)}",
-            ]
-        )
-
-    def __str__(self) -> str:
-        return self.describe()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Recommendation:
-    """The cheapest stage/offload choice that fits, why, and every choice considered."""
-
-    estimate: MemoryEstimate
-    """The chosen stage/offload and its figures."""
-    reason: str
-    """Why this choice, in words (what it needs, which cheaper choices did not fit)."""
-    candidates: tuple[MemoryEstimate, ...]
-    """Every choice in `CHOICES` order."""
-    accelerator_memory_bytes: int
-    host_memory_bytes: int | None
-    headroom: float
-
-    @property
-    def zero_stage(self) -> int:
-        """The recommended ZeRO stage."""
-        return self.estimate.zero_stage
-
-    @property
-    def offload_optimizer(self) -> OffloadDevice:
-        """The recommended `offload_optimizer` device."""
-        return self.estimate.offload_optimizer
-
-    @property
-    def offload_params(self) -> OffloadDevice:
-        """The recommended `offload_params` device."""
-        return self.estimate.offload_params
-
-
-# --------------------------------------------------------------------------- counting
-def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """Total parameters (shared ones once) and the largest module's direct parameters.
-
-    Works on meta-device modules: nothing is read from the tensors but their shapes.
-    """
-    unique = {id(p): p.numel() for p in model.parameters()}
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return sum(unique.values()), largest
-
-
-#: Bounds on the work of counting a model from its config (a config is untrusted input).
+#: Bounds on the work of counting a model from its config (a config is untrusted input). Read at
+#: each call: lowering one here bounds every later estimate.
 MAX_CONFIG_BYTES = 4 * 2**20
 """Largest config JSON read (bytes); real configs are a few KB (a large label map: a few hundred)."""
 MAX_LAYERS = 1024
 """Largest layer or expert count a config may ask for (real models: at most a few hundred)."""
 MAX_MODULES = 100_000
 """Most modules built on the meta device while counting (about 10 s of work on one core)."""
-MAX_COUNTED_PARAMS = 10**15
+MAX_COUNTED_PARAMS = MAX_COUNT
 """Largest parameter count accepted, counted or given."""
 MAX_REAL_BYTES = 256 * 2**20
 """Most bytes a model's constructor may allocate off the meta device while it is counted."""
 
-#: Config keys that multiply the modules built (layers, experts), checked before anything is built.
-_REPEAT_KEYS = words(
-    "num_hidden_layers n_layer n_layers num_layers encoder_layers decoder_layers num_encoder_layers "
-    "num_decoder_layers num_local_experts num_experts n_routed_experts moe_num_experts "
-    "num_attention_heads n_head num_key_value_heads"
-)
-_TOO_BIG_HINT = "HINT: pass the parameter count instead (`--params` / an int), e.g. 7B"
+
+def _limits() -> Limits:
+    """The bounds above as they are now."""
+    return Limits(
+        config_bytes=MAX_CONFIG_BYTES,
+        layers=MAX_LAYERS,
+        modules=MAX_MODULES,
+        params=MAX_COUNTED_PARAMS,
+        real_bytes=MAX_REAL_BYTES,
+    )
 
 
-class _BudgetExceeded(Exception):
-    """Building the model went past one of the bounds above (raised from a registration hook)."""
+class SetupChoices(TypedDict, total=False):
+    """The keywords `estimate_all` and `recommend_config` pass on to `estimate_memory` (see there)."""
+
+    largest_layer_params: int | None
+    num_gpus_per_node: int
+    num_nodes: int
+    precision: Precision
+    optimizer: OptimizerName
+    zero_init: bool
+    trainable_params: int | None
 
 
-#: Shapes `estimate_largest_layer` assumes: a 128k-token vocabulary (Llama 3's 128,256; Gemma's
-#: 256k is larger, GPT-2's 50k and Llama 2's 32k smaller), P ~ 12 * layers * hidden^2 and
-#: hidden ~ 128 * layers (Llama 2 7B/13B: 4096/32, 5120/40).
-ASSUMED_VOCAB = 128_000
-ASSUMED_HIDDEN_PER_LAYER = 128
+def _check_setup_keywords(function: str, setup: Mapping[str, Any]) -> None:
+    """A keyword outside `SetupChoices` is a TypeError, as for any function's unknown keyword."""
+    for key in setup:
+        if key not in SetupChoices.__optional_keys__:
+            raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
 
 
-def estimate_largest_layer(num_params: int) -> int:
-    """Parameters of the largest single module of a usual decoder transformer with `num_params`.
-
-    Used when only a count is known. The hidden size h follows from P = 12 * L * h^2 with
-    h = 128 * L, so h = (128 * P / 12) ** (1/3); the largest module is then the larger of the
-    token embedding (`ASSUMED_VOCAB` x h) and an MLP matrix (4h x h), at most a third of the
-    model (small models' embeddings are a large share of them, never all of it). Examples:
-    7B -> h ~ 4200, 539M (the real Llama 2 7B: 131M, Llama 3 8B: 525M); 124M -> 41M (GPT-2: 39M).
-    """
-    hidden = (ASSUMED_HIDDEN_PER_LAYER * num_params / 12) ** (1 / 3)
-    largest = max(ASSUMED_VOCAB * hidden, 4 * hidden * hidden)
-    return max(1, min(round(largest), num_params // 3 or num_params))
-
-
-def _check_repeats(data: Any, where: str, depth: int = 0) -> None:
-    """Every layer/expert count in `data` (sub-configs included) is an int in 0..MAX_LAYERS."""
-    if depth > 8 or not isinstance(data, dict):
-        return
-    for key, value in data.items():
-        if isinstance(value, dict):
-            _check_repeats(value, where, depth + 1)
-        elif key in _REPEAT_KEYS and value is not None and not _is_int_in(value, 0, MAX_LAYERS):
-            raise ValueError(
-                f"{where}: `{key}` = {value!r} is not a layer/expert count this estimate builds; "
-                f"allowed: an int from 0 to {MAX_LAYERS} (ds_engine.memory.MAX_LAYERS). {_TOO_BIG_HINT}"
-            )
-
-
-def _is_int_in(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _model_classes(model_type: str) -> set[str]:
-    """The class names transformers' auto-model mappings list for `model_type` (no import)."""
-    from transformers.models.auto import modeling_auto
-
-    names: set[str] = set()
-    for attr in dir(modeling_auto):
-        mapping = getattr(modeling_auto, attr)
-        if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict):
-            value = mapping.get(model_type)
-            names.update([value] if isinstance(value, str) else value if isinstance(value, tuple) else [])
-    return names
-
-
-def _model_class(config: Any, where: str) -> Any:
-    """The model class `config.architectures` names: only a transformers model class for this config.
-
-    The name must be one transformers' auto-model mappings list for the config's `model_type`
-    and a subclass of `PreTrainedModel` whose `config_class` the config is; anything else
-    (another top-level transformers name, a custom-code class) is refused, never called.
-    None when `architectures` is empty (then the base model of the type is counted).
-    """
-    import transformers
-
-    names = getattr(config, "architectures", None) or []
-    if not isinstance(names, (list, tuple)):
-        raise ValueError(
-            f"{where}: `architectures` = {names!r} is not a list of class names. "
-            'HINT: write e.g. "architectures": ["GPT2LMHeadModel"], or remove the key'
-        )
-    model_type = str(getattr(config, "model_type", ""))
-    known = _model_classes(model_type)
-    for name in names:
-        cls = getattr(transformers, name, None) if isinstance(name, str) and name in known else None
-        config_class = getattr(cls, "config_class", None)
-        if (
-            isinstance(cls, type)
-            and issubclass(cls, transformers.PreTrainedModel)
-            and isinstance(config_class, type)
-            and isinstance(config, config_class)
-        ):
-            return cls
-        allowed = ", ".join(sorted(known)[:8]) + (", ..." if len(known) > 8 else "")
-        raise ValueError(
-            f"{where}: `architectures` names {name!r}, which is not a transformers model class for "
-            f"model_type {model_type!r} (allowed: {allowed or 'none known'}); nothing else is built. "
-            "HINT: fix `architectures`, or remove it to count the base model"
-        )
-    return None
-
-
-def _model_from_config(config: Any, where: str = "the config") -> torch.nn.Module:
-    """Build the model a config describes on the meta device, with bounded work.
-
-    Only transformers model classes are built (see `_model_class`), under `torch.device("meta")`
-    (no memory, no download), and registration hooks stop the build past `MAX_MODULES`
-    modules, `MAX_COUNTED_PARAMS` parameters or `MAX_REAL_BYTES` allocated off the meta device.
-    """
-    import torch
-    import transformers
-    from torch.nn.modules import module as nn_module
-
-    to_dict = getattr(config, "to_dict", None)
-    _check_repeats(to_dict() if callable(to_dict) else {}, where)
-    model_cls = _model_class(config, where)
-    counts = {"modules": 0, "params": 0, "real": 0}
-
-    def on_module(module: Any, name: str, sub: Any) -> None:
-        counts["modules"] += 1
-        if counts["modules"] > MAX_MODULES:
-            raise _BudgetExceeded(f"more than {MAX_MODULES} modules (ds_engine.memory.MAX_MODULES)")
-
-    def on_tensor(module: Any, name: str, tensor: Any) -> None:
-        if tensor is None:
-            return
-        counts["params"] += tensor.numel()
-        if tensor.device.type != "meta":
-            counts["real"] += tensor.numel() * tensor.element_size()
-        if counts["params"] > MAX_COUNTED_PARAMS:
-            raise _BudgetExceeded(f"more than {MAX_COUNTED_PARAMS:.0e} parameters")
-        if counts["real"] > MAX_REAL_BYTES:
-            raise _BudgetExceeded(
-                f"more than {MAX_REAL_BYTES} bytes allocated off the meta device "
-                "(ds_engine.memory.MAX_REAL_BYTES)"
-            )
-
-    hooks = [
-        nn_module.register_module_module_registration_hook(on_module),
-        nn_module.register_module_parameter_registration_hook(on_tensor),
-        nn_module.register_module_buffer_registration_hook(on_tensor),
-    ]
-    label = model_cls.__name__ if model_cls is not None else "the base model"
-    try:
-        with torch.device("meta"):
-            if model_cls is not None:
-                return model_cls(config)
-            return transformers.AutoModel.from_config(config)
-    except _BudgetExceeded as exc:
-        raise ValueError(
-            f"{where}: building {label} to count it went past a limit: {exc}. {_TOO_BIG_HINT}"
-        ) from None
-    except Exception as exc:  # the config is user input: whatever its values break is reported as such
-        raise ValueError(
-            f"{where}: {label} cannot be built from this config ({type(exc).__name__}: {exc}). "
-            "HINT: check the config's values, or pass the parameter count instead (`--params`)"
-        ) from None
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def _read_config_file(path: Path) -> tuple[dict[str, Any], str]:
-    """The JSON object in a model folder's config.json (or a config JSON file), read with bounds.
-
-    Only a regular file of at most `MAX_CONFIG_BYTES` is read. A symlink is followed only to a
-    file inside the same folder, or (the Hugging Face cache layout) from `snapshots/<rev>/` into
-    the repository's `blobs/`. Duplicate keys, a non-object top level and nesting deeper than
-    Python's recursion limit are refused.
-    """
-    import json
-    import stat
-
-    from ds_engine._values import no_duplicate_keys
-
-    file = path / "config.json" if path.is_dir() else path
-    where = f"`model` config {str(file)!r}"
-    if path.is_dir() and not os.path.lexists(file):
-        raise FileNotFoundError(
-            f"`model` folder {str(path)!r} has no config.json; expected a Hugging Face model folder or a "
-            "config JSON file. HINT: pass the folder that holds config.json (or the file itself)"
-        )
-    if file.is_symlink():
-        folder, target = file.parent.resolve(), file.resolve()
-        inside = folder in target.parents or (
-            folder.parent.name == "snapshots" and folder.parent.parent / "blobs" in target.parents
-        )
-        if not inside:
-            raise ValueError(
-                f"{where} is a symbolic link to {str(target)!r}, outside its folder; it is not followed. "
-                "HINT: copy the real config.json into the folder"
-            )
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise ValueError(
-            f"{where} cannot be opened ({exc.strerror}). HINT: pass a readable config.json"
-        ) from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise ValueError(
-            f"{where} is not a regular file. HINT: pass a model folder whose config.json is a file"
-        )
-    with os.fdopen(fd, "rb") as f:
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise ValueError(
-                f"{where} is {info.st_size} bytes; allowed: at most {MAX_CONFIG_BYTES} "
-                f"(ds_engine.memory.MAX_CONFIG_BYTES). {_TOO_BIG_HINT}"
-            )
-        raw = f.read(MAX_CONFIG_BYTES + 1)
-    try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys(where))
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{where} is not UTF-8 text ({exc.reason}). HINT: pass the model's config.json"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}. "
-            "HINT: fix the JSON there, or pass the parameter count instead (`--params`)"
-        ) from None
-    except RecursionError:
-        raise ValueError(
-            f"{where} nests too deeply to read. HINT: pass the model's real config.json"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"{where} holds a JSON {type(data).__name__}, not an object. HINT: a model config is a JSON "
-            'object such as {"model_type": "gpt2", ...}'
-        )
-    return data, where
-
-
-def _load_config(path: Path) -> tuple[Any, str]:
-    """The transformers config object a model folder / config file describes, and its name for errors.
-
-    The class comes from transformers' own `CONFIG_MAPPING` by `model_type`; no custom code
-    (`auto_map`) is run and nothing is downloaded.
-    """
-    from transformers import CONFIG_MAPPING
-
-    data, where = _read_config_file(path)
-    _check_repeats(data, where)
-    model_type = data.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise ValueError(
-            f"{where}: `model_type` = {model_type!r} is not a model type this transformers knows. "
-            "HINT: pass a transformers model's config.json, or the parameter count instead (`--params`)"
-        )
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(data), where
-    except Exception as exc:  # untrusted values: report what the config class refused
-        raise ValueError(
-            f"{where}: transformers' {model_type!r} config refuses it ({type(exc).__name__}: {exc}). "
-            "HINT: check the config's values, or pass the parameter count instead (`--params`)"
-        ) from None
-
-
+# --------------------------------------------------------------------------- counting
 def resolve_num_params(
     model_or_num_params: ModelLike, largest_layer_params: int | None = None
 ) -> tuple[int, int]:
@@ -556,14 +219,14 @@ def resolve_num_params(
                 f"`model` path {str(path)!r} does not exist. HINT: pass a local Hugging Face model folder "
                 "or config JSON file (nothing is downloaded), or a parameter count"
             )
-        num_params, largest = count_params(_model_from_config(*_load_config(path)))
+        num_params, largest = count_params(meta_model(path, _limits()))
     else:
         import torch
 
         if isinstance(model_or_num_params, torch.nn.Module):
             num_params, largest = count_params(model_or_num_params)
         elif hasattr(model_or_num_params, "to_dict") and hasattr(model_or_num_params, "model_type"):
-            num_params, largest = count_params(_model_from_config(model_or_num_params))
+            num_params, largest = count_params(meta_model(model_or_num_params, _limits()))
         else:
             raise ValueError(
                 f"`model_or_num_params` has unsupported type {type(model_or_num_params).__name__}; allowed: "
@@ -668,18 +331,13 @@ def estimate_memory(
         ValueError: an argument outside what is allowed (the message names it).
     """
     _check_choice("zero_stage", zero_stage, (0, 1, 2, 3), "HINT: pick a ZeRO stage from 0 to 3")
-    _check_choice(
-        "offload_optimizer",
-        offload_optimizer,
-        get_args(OffloadDevice),
-        "HINT: use 'cpu' (NVMe offload is not estimated; 'cpu' bounds its accelerator side)",
-    )
-    _check_choice(
-        "offload_params",
-        offload_params,
-        get_args(OffloadDevice),
-        "HINT: use 'cpu' (NVMe offload is not estimated; 'cpu' bounds its accelerator side)",
-    )
+    for name, device in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        _check_choice(
+            name,
+            device,
+            get_args(OffloadDevice),
+            "HINT: use 'cpu' (NVMe offload is not estimated; 'cpu' bounds its accelerator side)",
+        )
     _check_choice("precision", precision, get_args(Precision), "HINT: use precision='bf16'")
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES), "HINT: use optimizer='adamw'")
     _check_positive_int("num_gpus_per_node", num_gpus_per_node)
@@ -750,33 +408,25 @@ def estimate_memory(
     )
 
 
-def estimate_all(
-    model_or_num_params: ModelLike,
-    *,
-    largest_layer_params: int | None = None,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    precision: Precision = "bf16",
-    optimizer: OptimizerName = "adamw",
-    zero_init: bool = True,
-    trainable_params: int | None = None,
-) -> list[MemoryEstimate]:
-    """`estimate_memory` for every choice in `CHOICES`, cheapest first (the model is counted once)."""
-    num_params, largest = resolve_num_params(model_or_num_params, largest_layer_params)
-    trainable = resolve_trainable_params(model_or_num_params, num_params, trainable_params)
+def estimate_all(model_or_num_params: ModelLike, **setup: Unpack[SetupChoices]) -> list[MemoryEstimate]:
+    """`estimate_memory` for every choice in `CHOICES`, cheapest first (the model is counted once).
+
+    Args:
+        model_or_num_params: as for `estimate_memory`.
+        **setup: `largest_layer_params`, `num_gpus_per_node`, `num_nodes`, `precision`,
+            `optimizer`, `zero_init` and `trainable_params`, as for `estimate_memory`.
+
+    Raises:
+        ValueError: as for `estimate_memory`.
+        TypeError: a keyword not listed above.
+    """
+    _check_setup_keywords("estimate_all", setup)
+    num_params, largest = resolve_num_params(model_or_num_params, setup.get("largest_layer_params"))
+    trainable = resolve_trainable_params(model_or_num_params, num_params, setup.get("trainable_params"))
+    counted: SetupChoices = {**setup, "largest_layer_params": largest, "trainable_params": trainable}
     return [
         estimate_memory(
-            num_params,
-            largest_layer_params=largest,
-            num_gpus_per_node=num_gpus_per_node,
-            num_nodes=num_nodes,
-            zero_stage=stage,
-            offload_optimizer=off_opt,
-            offload_params=off_params,
-            precision=precision,
-            optimizer=optimizer,
-            zero_init=zero_init,
-            trainable_params=trainable,
+            num_params, zero_stage=stage, offload_optimizer=off_opt, offload_params=off_params, **counted
         )
         for stage, off_opt, off_params in CHOICES
     ]
@@ -799,13 +449,7 @@ def recommend_config(
     accelerator_memory_bytes: int,
     host_memory_bytes: int | None = None,
     headroom: float = 0.2,
-    largest_layer_params: int | None = None,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    precision: Precision = "bf16",
-    optimizer: OptimizerName = "adamw",
-    zero_init: bool = True,
-    trainable_params: int | None = None,
+    **setup: Unpack[SetupChoices],
 ) -> Recommendation:
     """The cheapest ZeRO stage/offload choice whose model states fit, with headroom.
 
@@ -819,13 +463,9 @@ def recommend_config(
         accelerator_memory_bytes: memory of one accelerator, in bytes.
         host_memory_bytes: host memory of one node, in bytes; None leaves the host unchecked.
         headroom: fraction kept free on top of the estimate (0.2 = 20 %).
-        largest_layer_params: as for `estimate_memory`.
-        num_gpus_per_node: accelerators per node.
-        num_nodes: number of nodes.
-        precision: "bf16", "fp16" or "fp32".
-        optimizer: one of `OPTIMIZER_STATE_BYTES`.
-        zero_init: as for `estimate_memory`.
-        trainable_params: as for `estimate_memory`.
+        **setup: `largest_layer_params`, `num_gpus_per_node` (accelerators per node),
+            `num_nodes`, `precision`, `optimizer`, `zero_init` and `trainable_params`, as for
+            `estimate_memory`.
 
     Returns:
         A `Recommendation` with the chosen estimate, the reason in words and all candidates.
@@ -833,7 +473,9 @@ def recommend_config(
     Raises:
         ValueError: bad arguments, or no choice fits (the message names the budget and the
             smallest requirement).
+        TypeError: a keyword not listed above.
     """
+    _check_setup_keywords("recommend_config", setup)
     for name, value in (
         ("accelerator_memory_bytes", accelerator_memory_bytes),
         ("host_memory_bytes", host_memory_bytes),
@@ -846,16 +488,7 @@ def recommend_config(
         raise ValueError(
             f"`headroom` must be a fraction >= 0 (e.g. 0.2 for 20 %), got {headroom!r}. HINT: headroom=0.2"
         )
-    candidates = estimate_all(
-        model_or_num_params,
-        largest_layer_params=largest_layer_params,
-        num_gpus_per_node=num_gpus_per_node,
-        num_nodes=num_nodes,
-        precision=precision,
-        optimizer=optimizer,
-        zero_init=zero_init,
-        trainable_params=trainable_params,
-    )
+    candidates = estimate_all(model_or_num_params, **setup)
     budget = f"{format_bytes(accelerator_memory_bytes)} per accelerator" + (
         f" and {format_bytes(host_memory_bytes)} host memory per node"
         if host_memory_bytes is not None
@@ -900,57 +533,25 @@ def recommend_config(
     )
 
 
-# --------------------------------------------------------------------------- units
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _parse(text: str, units: dict[str, int], what: str, example: str) -> int:
-    match = _NUMBER.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in units:
-        allowed = ", ".join(u for u in units if u) or "none"
-        raise ValueError(
-            f"{what} {text!r} is not understood; allowed: a number with an optional unit ({allowed}). "
-            f"HINT: e.g. {example}"
-        )
-    value = float(match.group(1)) * units[unit]
-    if value <= 0 or not math.isfinite(value):
-        raise ValueError(f"{what} {text!r} must be positive. HINT: e.g. {example}")
-    if value > MAX_COUNTED_PARAMS:
-        raise ValueError(
-            f"{what} {text!r} is more than {MAX_COUNTED_PARAMS:.0e}, the most accepted. HINT: e.g. {example}"
-        )
-    return round(value)
-
-
-def parse_count(text: str) -> int:
-    """A count from `1.5e9`, `7B`, `350M`, `125000`. Raises ValueError."""
-    return _parse(text, _COUNT_UNITS, "count", "1.5e9 or 7B")
-
-
-def format_bytes(num_bytes: float) -> str:
-    """`12.35 GB` style (decimal units: 1 GB = 1e9 bytes)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{int(num_bytes)} B"
-
-
-def format_count(count: float) -> str:
-    """`1.30B`, `22.7M` style."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(count) >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return str(int(count))
-
-
 __all__ = [
+    "ASSUMED_HIDDEN_PER_LAYER",
+    "ASSUMED_VOCAB",
+    "CHEAPEST",
     "CHOICES",
+    "MAX_CONFIG_BYTES",
+    "MAX_COUNTED_PARAMS",
+    "MAX_LAYERS",
+    "MAX_MODULES",
+    "MAX_REAL_BYTES",
     "OPTIMIZER_STATE_BYTES",
     "MemoryBreakdown",
     "MemoryEstimate",
+    "ModelLike",
+    "OffloadDevice",
+    "OptimizerName",
+    "Precision",
     "Recommendation",
+    "SetupChoices",
     "count_params",
     "estimate_all",
     "estimate_largest_layer",
@@ -962,4 +563,5 @@ __all__ = [
     "parse_size",
     "recommend_config",
     "resolve_num_params",
+    "resolve_trainable_params",
 ]

@@ -1,5 +1,6 @@
 """The config modules form layers: each imports only modules below it (no import circle, also
-not through TYPE_CHECKING or function-level imports), and none grows past ~700 lines."""
+not through TYPE_CHECKING or function-level imports), and none grows past ~700 lines; the
+memory estimator's modules layer the same way and stay as small."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def _ds_engine_imports(path: Path) -> set[str]:
 #: Leaves any layer may use: they import nothing of ds_engine.
 LEAVES = {"_imports"}
 
+#: The memory estimator, bottom first, on top of `_values`: `ds_engine.memory` is its public face.
+ESTIMATOR = ["_memory_types", "_model_shapes", "memory"]
+
+#: Most lines a module of the layers above may have.
+MAX_LINES = 700
+
 
 def test_each_config_layer_imports_only_layers_below_it():
     for leaf in LEAVES:
@@ -44,10 +51,17 @@ def test_each_config_layer_imports_only_layers_below_it():
         assert imported <= allowed, (name, sorted(imported - allowed))
 
 
-def test_config_layers_stay_small():
-    for name in LAYERS:
+def test_estimator_modules_import_only_modules_below_them():
+    for i, name in enumerate(ESTIMATOR):
+        allowed = {"_values", *ESTIMATOR[:i]}
+        imported = _ds_engine_imports(PACKAGE / f"{name}.py") - {name}
+        assert imported <= allowed, (name, sorted(imported - allowed))
+
+
+def test_config_and_estimator_modules_stay_small():
+    for name in LAYERS + ESTIMATOR:
         lines = len((PACKAGE / f"{name}.py").read_text(encoding="utf-8").splitlines())
-        assert lines <= 700, (name, lines)
+        assert lines <= MAX_LINES, (name, lines)
 
 
 def test_the_public_names_stay_where_they_were():
