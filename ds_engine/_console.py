@@ -27,7 +27,7 @@ import os
 import warnings
 from collections.abc import Iterator
 
-__all__ = ["ALL_RANKS_ENV", "all_ranks_speak", "quiet_console", "quiet_unless_main"]
+__all__ = ["ALL_RANKS_ENV", "all_ranks_speak", "quiet_console", "quiet_deepspeed_log", "quiet_unless_main"]
 
 ALL_RANKS_ENV = "DS_ENGINE_LOG_ALL_RANKS"
 _DEPRECATED_COLLECTIVE = r"`?torch\.distributed\.\w+`? is deprecated"
@@ -76,6 +76,14 @@ def quiet_console() -> None:
         return
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def quiet_deepspeed_log() -> None:
+    """Keep DeepSpeed's log below ERROR off the console (a command-line tool that trains nothing:
+    its accelerator detection and op-build chatter say nothing about what was asked)."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _BelowError) for f in logger.filters):
+        logger.addFilter(_BelowError())
 
 
 @contextlib.contextmanager

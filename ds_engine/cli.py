@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ds_engine._console import quiet_deepspeed_log
+
 
 class CLIError(Exception):
     """A user error the CLI reports in one line with exit status 2."""
@@ -577,12 +579,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         command = args.commands.get(args.command, parser)
         command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
+    if args.command != "launch":  # the launched script's Engine decides what its ranks print
+        quiet_deepspeed_log()
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:
         message = str(exc).strip().replace("\n", " ")
+        if "HINT:" not in message and isinstance(exc, OSError):
+            message += " HINT: " + _OS_HINTS.get(type(exc), "check that path")
         print(f"ds-engine: error: {message}", file=sys.stderr)
         return 2
+
+
+_OS_HINTS: dict[type[BaseException], str] = {
+    FileNotFoundError: "check the path (relative paths start from the current folder)",
+    FileExistsError: "choose another path, or move the existing one away",
+    IsADirectoryError: "a folder stands where a file belongs; remove or rename it",
+    NotADirectoryError: "a file stands where a folder belongs; check the path",
+    PermissionError: "check the permissions of that path (or run where you may read/write it)",
+}
 
 
 if __name__ == "__main__":

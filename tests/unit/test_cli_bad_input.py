@@ -366,3 +366,31 @@ def test_env_int_names_the_variable_and_its_value(name: str, value: str, minimum
         env_int(name, 1, minimum=minimum, environ={name: value})
     assert env_int(name, 7, minimum=minimum, environ={}) == 7
     assert env_int(name, 7, minimum=minimum, environ={name: " 3 "}) == 3
+
+
+def test_the_command_line_prints_what_was_asked_and_nothing_else() -> None:
+    """No DeepSpeed start-up chatter (accelerator detection) around a command's own output."""
+    script = Path(sys.executable).with_name("ds-engine")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "ds_engine.cli"]
+    done = subprocess.run(
+        [*command, "config", "--zero-stage", "2", "--micro-batch-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["zero_optimization"]["stage"] == 2
+    assert done.stderr == "", done.stderr
+
+
+def test_an_os_error_without_a_hint_gets_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "ckpt"
+    (checkpoint / "step_1" / "mp_rank_00_model_states.pt").mkdir(parents=True)  # a folder, not a file
+    (checkpoint / "latest").write_text("step_1")
+    meta = {"format": 1, "backend": "deepspeed", "zero_stage": 0, "precision": "fp32", "world_size": 1}
+    (checkpoint / "step_1" / "ds_engine_meta.json").write_text(json.dumps({**meta, "saved_at": 1.0}))
+    assert main(["consolidate", str(checkpoint), str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ds-engine: error:") and "mp_rank_00_model_states.pt" in error, error
+    assert "HINT: a folder stands where a file belongs" in error, error
+    assert not (tmp_path / "out").exists()
