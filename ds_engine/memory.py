@@ -73,7 +73,7 @@ reproduces for bf16/fp16 Adam except:
   2P - 2P/N.
 
 Measured against DeepSpeed 0.19.8 (2 CPU ranks, bf16, AdamW, 51M-parameter GPT-2, tensor
-storages reachable from the engine; `scripts/bench_memory.py`), bytes per parameter per
+storages reachable from the engine; `scripts/benchmarks/bench_memory.py`), bytes per parameter per
 rank, measured / estimated: ZeRO-0 20.0 / 20 (1.00), ZeRO-2 10.0 / 11 (0.91, the coexisting
 gradient copies above), ZeRO-3 10.08 / 10 (1.01, the extra is communication buffers).
 
