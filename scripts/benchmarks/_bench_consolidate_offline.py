@@ -1,10 +1,10 @@
 """Memory probes for `bench_consolidate.py`, and its child: one offline consolidation in a fresh process.
 
-`scripts/` is `sys.path[0]` when a script there runs, so `bench_consolidate.py` imports the
-probes from here. As a program (started by `bench_consolidate.py`, not meant for users):
+`scripts/benchmarks/` is `sys.path[0]` when a script there runs, so `bench_consolidate.py` imports
+the probes from here. As a program (started by `bench_consolidate.py`, not meant for users):
 
-    python scripts/_bench_consolidate_offline.py {ds_engine,deepspeed} CKPT OUT MAX_SHARD_BYTES RESULT
-        [--pin-malloc]
+    python scripts/benchmarks/_bench_consolidate_offline.py {ds_engine,deepspeed} CKPT OUT
+        MAX_SHARD_BYTES RESULT [--pin-malloc]
 
 runs `ds_engine.consolidate.consolidate_checkpoint(CKPT, OUT, max_shard_size=...)` or DeepSpeed's
 `convert_zero_checkpoint_to_fp32_state_dict(CKPT, OUT, max_shard_size=..., safe_serialization=True)`

@@ -1,4 +1,4 @@
-"""Worker for `scripts/bench_overhead.py`: per-step overhead and time to first step.
+"""Worker for `bench_overhead.py`: per-step overhead and time to first step.
 
 Both modes run inside torchrun, one process per rank.
 

@@ -3,8 +3,8 @@
 Run (from the repository root; started without torchrun it re-launches itself under torchrun
 with 2 ranks, OMP_NUM_THREADS=1 and GLOO_SOCKET_IFNAME=lo unless set):
 
-    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 \
-        .venv/bin/torchrun --nproc-per-node=2 scripts/bench_consolidate.py [--layers 12,24] [--out DIR]
+    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .venv/bin/torchrun \
+        --nproc-per-node=2 scripts/benchmarks/bench_consolidate.py [--layers 12,24] [--out DIR]
 
 For each size, a GPT-2 shaped model (width 768, vocabulary 8192, 512 positions; 12 and 24
 layers by default: about 98M and 183M parameters) is built under zero.Init and wrapped by raw

@@ -1,7 +1,7 @@
 """Generation speed under ZeRO-3: naive `generate`, ds_engine's synced and gathered paths, ZeRO-0.
 
-    python scripts/bench_generate.py            # launches itself on 2 CPU ranks (torchrun, gloo)
-    torchrun --nproc-per-node=2 scripts/bench_generate.py   # or under any launcher
+    python scripts/benchmarks/bench_generate.py     # launches itself on 2 CPU ranks (torchrun, gloo)
+    torchrun --nproc-per-node=2 scripts/benchmarks/bench_generate.py   # or under any launcher
 
 A small GPT-2 built from a config (nothing downloads), the same prompts on every path: each rank
 runs a loop of `--calls` generate calls (an evaluation loop), each generating `--new-tokens`
@@ -59,7 +59,7 @@ def launch_self(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     cmd = [
         sys.executable,

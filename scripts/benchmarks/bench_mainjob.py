@@ -1,10 +1,10 @@
 """The main job's recipe, trained four ways side by side: raw DeepSpeed, plain accelerate, ds_engine.
 
-    .venv/bin/python scripts/bench_mainjob.py                      # full schedule, 1 repeat
-    .venv/bin/python scripts/bench_mainjob.py --max-steps 40 --repeats 2
-    .venv/bin/python scripts/bench_mainjob.py --arms raw-ds,ds_engine-ds --json /tmp/b.json
+    .venv/bin/python scripts/benchmarks/bench_mainjob.py               # full schedule, 1 repeat
+    .venv/bin/python scripts/benchmarks/bench_mainjob.py --max-steps 40 --repeats 2
+    .venv/bin/python scripts/benchmarks/bench_mainjob.py --arms raw-ds,ds_engine-ds --json /tmp/b.json
 
-The main job is `ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py
+The main job is `ds-engine launch --nproc-per-node 2 scripts/examples/finetune_classification.py
 --zero-stage 3` (`scripts/main.sh`). Every arm trains its recipe: the same data (the UCI
 sentences found by `_recipe.load_data`, the fixed stratified split), the same batched
 tokenisation, dynamic padding and length-grouped batch order, the same MiniLM with frozen word
@@ -19,7 +19,7 @@ closure). The arms:
 - `accelerate`: plain `accelerate.Accelerator(cpu=True)` (no DeepSpeed plugin: DDP over gloo),
   the canonical loop (`accelerator.backward`, `clip_grad_norm_`, `step`, `zero_grad`);
 - `ds_engine-ds`: `Engine(...)` + `prepare` + `accumulate` / `backward` / `step`, as
-  `scripts/finetune_classification.py` does, on DeepSpeed (ZeRO-3 as in the main job);
+  `scripts/examples/finetune_classification.py` does, on DeepSpeed (ZeRO-3 as in the main job);
 - `ds_engine-fallback`: the same through `Engine(backend="accelerate")` (DDP on CPU).
 
 The DeepSpeed JSON is rendered once by ds_engine (`ds_config.render_ds_config` from the
@@ -58,11 +58,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-for _path in (str(SCRIPTS), str(ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+# the main job's script and its modules (`finetune_classification`, `_recipe`, `sentiment_data`)
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
 
 ARMS = ("raw-ds", "accelerate", "ds_engine-ds", "ds_engine-fallback")
 LABELS = {
@@ -586,18 +585,11 @@ def launch_arm(
     arm: str, *, max_steps: int, ds_config_path: Path, timeout: float, log_dir: Path, profile: bool = False
 ) -> list[dict[str, Any]]:
     """One 2-process launch of `arm`; returns the ranks' results (raises with the output tail on failure)."""
-    from tests.distributed.launcher import free_port, run_command, worker_env
+    from _launch import run_command, torchrun_command, worker_env
 
     out = Path(tempfile.mkdtemp(prefix=f"bench_mainjob_{arm}_", dir=log_dir))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={PROCESSES}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "--max-restarts=0",
-        str(Path(__file__).resolve()),
+    cmd = torchrun_command(
+        Path(__file__).resolve(),
         "--worker",
         arm,
         "--out",
@@ -606,7 +598,8 @@ def launch_arm(
         str(max_steps),
         "--ds-config",
         str(ds_config_path),
-    ]
+        nproc=PROCESSES,
+    )
     env = worker_env({"OMP_NUM_THREADS": omp_threads(), "MKL_NUM_THREADS": omp_threads()})
     if profile:
         env[PROFILE_ENV] = "1"
@@ -837,7 +830,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     start = time.perf_counter()
-    argv_shown = [".venv/bin/python", "scripts/bench_mainjob.py", *(sys.argv[1:] if argv is None else argv)]
+    argv_shown = [
+        ".venv/bin/python",
+        "scripts/benchmarks/bench_mainjob.py",
+        *(sys.argv[1:] if argv is None else argv),
+    ]
     command = " ".join(shlex.quote(a) for a in argv_shown)
     recipe = recipe_args(args.max_steps)
     work = Path(tempfile.mkdtemp(prefix="bench_mainjob_"))

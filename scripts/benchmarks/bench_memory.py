@@ -1,15 +1,16 @@
 """Measured vs estimated model-state memory per rank, real DeepSpeed on 2 CPU ranks.
 
-    .venv/bin/python scripts/bench_memory.py                 # bf16, ZeRO 0, 2, 3, ~52M-param GPT-2
-    .venv/bin/python scripts/bench_memory.py --precision fp32 --stages 0,1,2,3
+    .venv/bin/python scripts/benchmarks/bench_memory.py      # bf16, ZeRO 0, 2, 3, ~52M-param GPT-2
+    .venv/bin/python scripts/benchmarks/bench_memory.py --precision fp32 --stages 0,1,2,3
 
-Launches `tests/distributed/workers/memory_real.py` with torchrun (2 ranks, gloo), which
-builds a GPT-2 from a config, takes two optimizer steps under raw `deepspeed.initialize` and
-sums every tensor storage reachable from the engine's module and optimizer (each storage
-once). The measured figure is the peak over the second step (after backward, and inside the
-optimizer step), compared with `ds_engine.memory.estimate_memory(...)` for 2 "GPUs" on one
-node: the estimate's model states (params + grads + optimizer states). The ZeRO-3 working
-layer is left out of the comparison because no layer is gathered at those moments.
+Launches `tests/distributed/workers/memory_real.py` (the worker
+`tests/distributed/test_memory_real.py` runs too) with torchrun (2 ranks, gloo), which builds a
+GPT-2 from a config, takes two optimizer steps under raw `deepspeed.initialize` and sums every
+tensor storage reachable from the engine's module and optimizer (each storage once). The measured
+figure is the peak over the second step (after backward, and inside the optimizer step), compared
+with `ds_engine.memory.estimate_memory(...)` for 2 "GPUs" on one node: the estimate's model states
+(params + grads + optimizer states). The ZeRO-3 working layer is left out of the comparison because
+no layer is gathered at those moments.
 Target: the ratio measured/estimated within 0.85..1.15.
 """
 
@@ -17,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _launch import ROOT, run_ranks
 
-from ds_engine.memory import estimate_memory  # noqa: E402
-from tests.distributed.launcher import run_workers  # noqa: E402
+from ds_engine.memory import estimate_memory
+
+WORKER = ROOT / "tests" / "distributed" / "workers" / "memory_real.py"
 
 GB = 1e9
 
@@ -65,7 +67,8 @@ def measure(stages: str, precision: str, timeout: float = 1500, **model: int) ->
     args = ["--stages", stages, "--precision", precision]
     for key, value in model.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    return compare(run_workers("memory_real.py", *args, nproc=2, timeout=timeout))
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as out:
+        return compare(run_ranks(WORKER, Path(out), *args, nproc=2, timeout=timeout))
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """Overhead of ds_engine over raw DeepSpeed and plain accelerate, on 2 CPU ranks.
 
-    .venv/bin/python scripts/bench_overhead.py                    # <= ~14 min (--budget 840)
-    .venv/bin/python scripts/bench_overhead.py --budget 1800      # more pairs: a narrower interval
-    .venv/bin/python scripts/bench_overhead.py --settings zero3,accelerate --ttfs-settings none
-    .venv/bin/python scripts/bench_overhead.py --steps 20 --rounds 1     # fixed pairs, no adaptive stop
-    .venv/bin/python scripts/bench_overhead.py --profile          # + ds_engine's share of a step
+    .venv/bin/python scripts/benchmarks/bench_overhead.py                 # <= ~14 min (--budget 840)
+    .venv/bin/python scripts/benchmarks/bench_overhead.py --budget 1800   # more pairs: a narrower interval
+    .venv/bin/python scripts/benchmarks/bench_overhead.py --settings zero3,accelerate --ttfs-settings none
+    .venv/bin/python scripts/benchmarks/bench_overhead.py --steps 20 --rounds 1  # fixed pairs, no early stop
+    .venv/bin/python scripts/benchmarks/bench_overhead.py --profile       # + ds_engine's share of a step
 
 Three tables, each run with torchrun on 2 ranks (gloo, `GLOO_SOCKET_IFNAME=lo`,
-`OMP_NUM_THREADS=1`) by `scripts/_bench_overhead_worker.py`, all on one GPT-2 built from a
+`OMP_NUM_THREADS=1`) by `_bench_overhead_worker.py`, all on one GPT-2 built from a
 config: by default 2 layers, hidden 64, vocab 1024, seq 32, micro batch 2, GA=4, fp32, AdamW,
 gradient clipping 1.0 (0.17M parameters), chosen so that a step is cheap and many pairs fit in
 the budget. ds_engine's per-step work (accumulate / backward / step bookkeeping, the ZeRO-0
@@ -78,13 +78,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _launch import run_command, torchrun_command
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.distributed.launcher import free_port, run_command, worker_env  # noqa: E402
-
-WORKER = ROOT / "scripts" / "_bench_overhead_worker.py"
+WORKER = Path(__file__).resolve().with_name("_bench_overhead_worker.py")
 NULL_SETTING = "zero0-null"  # raw DeepSpeed against itself: the noise floor
 SETTINGS = (NULL_SETTING, "zero0", "zero2", "zero2-coalesce", "zero3", "zero3-coalesce", "accelerate")
 TTFS_STAGES = ("zero0", "zero2", "zero3")
@@ -100,23 +96,9 @@ TTFS_MIN_COVERAGE = 0.9  # fewer pairs than give a 90 % interval for the TTFS me
 # ---------------------------------------------------------------------------- launches
 def launch(mode: str, worker_args: list[str], out: Path, *, timeout: float) -> None:
     """One torchrun launch of the worker on 2 ranks, writing into `out`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "--max-restarts=0",
-        str(WORKER),
-        "--mode",
-        mode,
-        "--out",
-        str(out),
-        *worker_args,
-    ]
+    cmd = torchrun_command(WORKER, "--mode", mode, "--out", str(out), *worker_args, nproc=2)
     LOADS.append(os.getloadavg()[0])
-    proc = run_command(cmd, timeout=timeout, env=worker_env())
+    proc = run_command(cmd, timeout=timeout)
     LOADS.append(os.getloadavg()[0])
     if proc.returncode != 0:
         raise RuntimeError(

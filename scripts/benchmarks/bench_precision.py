@@ -1,6 +1,6 @@
 """Why the main job trains in fp32 on CPU: one MiniLM forward+backward, fp32 vs bf16 autocast.
 
-    .venv/bin/python scripts/bench_precision.py [--steps 8] [--threads 1]
+    .venv/bin/python scripts/benchmarks/bench_precision.py [--steps 8] [--threads 1]
 
 Interleaves the two (fp32, bf16, fp32, bf16, ...) after warm-up and prints the median time per
 step of each, and the CPU flags that decide it: without `avx512_bf16` / `amx_bf16`, bf16 matmuls
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the main job's `_recipe`
 from _recipe import minilm_path
 
 

@@ -2,8 +2,8 @@
 
 Run (from the repository root):
 
-    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 \
-        .venv/bin/torchrun --nproc-per-node=2 scripts/bench_safe_load.py [--out /tmp/bench_safe_load]
+    OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo HF_HUB_OFFLINE=1 .venv/bin/torchrun \
+        --nproc-per-node=2 scripts/benchmarks/bench_safe_load.py [--out /tmp/bench_safe_load]
 
 A GPT-2 shaped model (6 layers, width 768, vocabulary 8192: about 49M parameters) trains one
 step through ds_engine's Engine on ZeRO-3 bf16 and saves a checkpoint. Then, best of

@@ -2,7 +2,7 @@
 
 Run (from the repository root, one process, no process group):
 
-    .venv/bin/python scripts/bench_write.py [--layers 12,24] [--pairs 10] [--out DIR]
+    .venv/bin/python scripts/benchmarks/bench_write.py [--layers 12,24] [--pairs 10] [--out DIR]
 
 For each size, a GPT-2 shaped model (width 768, vocabulary 8192, untied embeddings, bf16; 12
 and 24 layers by default: about 98M and 183M parameters) is held in memory as a state dict,

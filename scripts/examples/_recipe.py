@@ -1,7 +1,7 @@
-"""Plumbing shared by the fine-tuning scripts in `scripts/` (not a public API).
+"""Plumbing shared by the fine-tuning scripts in `scripts/examples/` (not a public API).
 
-The scripts run as files (`python scripts/x.py`, `ds-engine launch ... scripts/x.py`), so
-`scripts/` is `sys.path[0]` and `import _recipe` finds this module. What lives here is what the
+The scripts run as files (`python scripts/examples/x.py`, `ds-engine launch ... scripts/examples/x.py`),
+so `scripts/examples/` is `sys.path[0]` and `import _recipe` finds this module. What lives here is what the
 scripts do identically: the engine and output flags, seeding, quiet libraries, the data (the
 real UCI sentences found by `sentiment_data.find_sentiment_data`, else the generated set), the
 length-grouped batch order, the metrics log, and the checkpoint / resume bookkeeping. Each

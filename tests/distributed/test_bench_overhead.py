@@ -1,4 +1,4 @@
-"""Smoke test of `scripts/bench_overhead.py`: the real 2-rank benchmark with tiny settings.
+"""Smoke test of `scripts/benchmarks/bench_overhead.py`: the real 2-rank benchmark with tiny settings.
 
 Runs the script as a user does (its own torchrun launches) with a tiny GPT-2, its default
 settings (the noise-floor row among them), 2 timed pairs per setting and one round, and one
@@ -24,7 +24,7 @@ from tests.distributed.launcher import ROOT, worker_env
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed]
 
-SCRIPT = ROOT / "scripts" / "bench_overhead.py"
+SCRIPT = ROOT / "scripts" / "benchmarks" / "bench_overhead.py"
 TINY = ["--layers", "2", "--hidden", "32", "--vocab", "128", "--seq", "16", "--micro-batch", "2"]
 DEFAULT_SETTINGS = ["zero0-null", "zero0", "zero2", "zero2-coalesce", "zero3", "zero3-coalesce", "accelerate"]
 
@@ -41,11 +41,11 @@ TTFS_ROW = re.compile(
 
 
 def bench_module():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(SCRIPT.parent))
     try:
         import bench_overhead
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(SCRIPT.parent))
     return bench_overhead
 
 

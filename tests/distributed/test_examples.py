@@ -46,7 +46,7 @@ def test_quickstart_trains_saves_and_reloads(tmp_path: Path) -> None:
 @pytest.mark.deepspeed
 def test_main_job_console_stays_short(tmp_path: Path) -> None:
     """The main job's command (scripts/main.sh) cut to 3 steps: its console, bar redraws aside."""
-    script = ROOT / "scripts" / "finetune_classification.py"
+    script = ROOT / "scripts" / "examples" / "finetune_classification.py"
     cmd = [sys.executable, "-m", "ds_engine.cli", "launch", "--nproc-per-node", "2", str(script),
            "--zero-stage", "3", "--output-dir", str(tmp_path / "out"), "--max-steps", "3"]  # fmt: skip
     result = run_command(cmd, timeout=600, env=worker_env(), cwd=tmp_path)

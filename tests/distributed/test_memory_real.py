@@ -2,7 +2,7 @@
 
 One launch measures ZeRO 0, 2 and 3 in turn (bf16, AdamW, ~52M-parameter GPT-2) and each
 rank reports the bytes of every tensor storage reachable from the engine (see the worker).
-The estimate for 2 "GPUs" must be within 30 % here; `scripts/bench_memory.py` prints the
+The estimate for 2 "GPUs" must be within 30 % here; `scripts/benchmarks/bench_memory.py` prints the
 figures and targets 15 %. bf16 because that is how models are trained on accelerators: it
 exercises the 16-bit weights plus fp32 master/gradient copies the formulas are about (fp32
 is covered by the unit tests' formulas and can be measured with the bench script).

@@ -83,7 +83,9 @@ def test_every_name_listed_as_working_exists_on_ds_engine_accelerator():
 
 def test_the_generated_table_is_current():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compat_table.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "tools" / "compat_table.py"), "--check"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 

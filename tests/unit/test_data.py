@@ -1,7 +1,7 @@
-"""The scripts' sentiment data (`scripts/sentiment_data.py`): where the real UCI sentences are
+"""The scripts' sentiment data (`scripts/examples/sentiment_data.py`): where the real UCI sentences are
 found (flag > environment > project folder > cache / one-time download > generated), the
 download (checksum, atomic), the generated demo set, loading TSV/JSONL files through `datasets`,
-and the length-grouped batch order of `scripts/_recipe.py`. No network: every download here reads
+and the length-grouped batch order of `scripts/examples/_recipe.py`. No network: every download here reads
 a zip built by the test, from a `file://` URL or a local HTTP server.
 """
 
@@ -27,8 +27,8 @@ import pytest
 #: the project root (the folder holding pyproject.toml); the shared sentences lie beside it
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 REAL = ROOT.parent / "shared" / "data" / "sentiment"
-# the scripts run as files with scripts/ on sys.path; import their modules the same way
-sys.path.insert(0, str(ROOT / "scripts"))
+# the scripts run as files with scripts/examples/ on sys.path; import their modules the same way
+sys.path.insert(0, str(ROOT / "scripts" / "examples"))
 
 import sentiment_data as sd  # noqa: E402
 from sentiment_data import (  # noqa: E402

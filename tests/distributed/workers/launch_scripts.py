@@ -2,8 +2,8 @@
 
 `--scenarios cls:2,clm:3,cls:accelerate` runs each script in turn on this rank (ZeRO stage or
 the accelerate fallback) and writes every scenario's summary, so one launch (one start-up cost)
-covers several configurations. The scripts are imported from `scripts/` as they ship (with
-`scripts/` on `sys.path`, as when they run as files, so `import _recipe` works).
+covers several configurations. The scripts are imported from `scripts/examples/` as they ship
+(with `scripts/examples/` on `sys.path`, as when they run as files, so `import _recipe` works).
 
 `--resume-from-step N` (with `--checkpoint-every`) then runs each scenario a second time from its
 own checkpoint of step N into `<scenario>_resumed/`, recorded as `<scenario>+resumed`.
@@ -28,7 +28,8 @@ from typing import Any
 from _common import parse_args, rank, write_result
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts"))
+EXAMPLES = ROOT / "scripts" / "examples"
+sys.path.insert(0, str(EXAMPLES))
 SCRIPTS = {"cls": "finetune_classification", "clm": "finetune_clm"}
 COMMON = ["--epochs", "3", "--batch-size", "16", "--eval-batch-size", "24", "--max-length", "32",
           "--synthetic", "--num-examples", "405", "--log-every", "1", "--seed", "0"]  # fmt: skip
@@ -36,15 +37,15 @@ EXTRA = {"cls": ["--lr", "3e-4", "--warmup-ratio", "0"], "clm": ["--lr", "3e-3",
 
 
 def main_sh_arguments() -> list[str]:
-    """The arguments scripts/main.sh passes to scripts/finetune_classification.py (before "$@")."""
+    """The arguments scripts/main.sh passes to scripts/examples/finetune_classification.py (before "$@")."""
     text = (ROOT / "scripts" / "main.sh").read_text().replace("\\\n", " ")
-    found = re.search(r"scripts/finetune_classification\.py(.*?)\"\$@\"", text)
-    assert found is not None, "scripts/main.sh no longer launches scripts/finetune_classification.py"
+    found = re.search(r"scripts/examples/finetune_classification\.py(.*?)\"\$@\"", text)
+    assert found is not None, "scripts/main.sh no longer launches scripts/examples/finetune_classification.py"
     return shlex.split(found.group(1))
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """Measure the memory held by model states under real DeepSpeed, ZeRO 0/2/3, on each rank.
 
-Run by `tests/distributed/test_memory_real.py` and `scripts/bench_memory.py` through torchrun.
+Run by `tests/distributed/test_memory_real.py` and `scripts/benchmarks/bench_memory.py` through torchrun.
 For each stage (sequentially, in one process group) it builds a GPT-2 from a config, wraps it
 with raw `deepspeed.initialize` and a hand-written bf16 config, runs one optimizer step, and
 sums the bytes of every tensor storage reachable from the DeepSpeed engine's module and
