@@ -111,7 +111,10 @@ class SafetensorsFile:
         assert self._fd is not None
         view = memoryview(data).cast("B")
         while view:
-            written = os.pwrite(self._fd, view, position)
+            try:
+                written = os.pwrite(self._fd, view, position)
+            except OSError as exc:  # say which file (a full disk names none)
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
             view = view[written:]
             position += written
 

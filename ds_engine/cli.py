@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import json
 import re
 import sys
@@ -583,12 +584,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet_deepspeed_log()
     try:
         return int(args.func(args) or 0)
-    except USER_ERRORS as exc:
+    except OSError as exc:
+        if not isinstance(exc, USER_ERRORS) and exc.errno not in _DISK_HINTS:
+            raise  # not the user's disk or folder: a bug, with its traceback
         message = str(exc).strip().replace("\n", " ")
-        if "HINT:" not in message and isinstance(exc, OSError):
-            message += " HINT: " + _OS_HINTS.get(type(exc), "check that path")
+        if "HINT:" not in message:
+            message += " HINT: " + (_DISK_HINTS.get(exc.errno) or _OS_HINTS.get(type(exc), "check that path"))
         print(f"ds-engine: error: {message}", file=sys.stderr)
         return 2
+    except USER_ERRORS as exc:
+        message = str(exc).strip().replace("\n", " ")
+        print(f"ds-engine: error: {message}", file=sys.stderr)
+        return 2
+
+
+#: What the disk or folder said (errno) -> the fix: errors of the user's machine, not of ds_engine.
+_DISK_HINTS: dict[int | None, str] = {
+    errno.ENOSPC: "free space on that filesystem, or write somewhere with room; nothing partial was left",
+    errno.EDQUOT: "your disk quota is used up; free some, or write somewhere else",
+    errno.EROFS: "that filesystem is mounted read-only; write somewhere else",
+    errno.EACCES: "check the permissions of that path (or run where you may read/write it)",
+    errno.EPERM: "check the permissions of that path (or run where you may read/write it)",
+}
 
 
 _OS_HINTS: dict[type[BaseException], str] = {

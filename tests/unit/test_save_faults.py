@@ -398,3 +398,33 @@ def test_torch_writer_messages_are_read_as_what_they_are(mounts: Mounts, tmp_pat
     chained.__context__ = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
     quota = write_failure(chained, tmp_path / "x.pt", "x")
     assert quota is not None and quota.errno == errno.EDQUOT
+
+
+def test_consolidate_onto_a_full_disk_is_one_error_line_and_keeps_the_folder(
+    mounts: Mounts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ds-engine consolidate` into a folder on a full filesystem: exit 2, the file and the cause
+    named with a HINT (no traceback), nothing partial, the folder's own files untouched."""
+    import warnings
+
+    from ds_engine import Engine
+    from ds_engine.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(backend="accelerate")
+    model = torch.nn.Linear(64, 64)
+    engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.end_training()
+    disk = mounts.tmpfs("disk", size="64k")
+    out = disk / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    fill(disk)
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ds-engine: error: [Errno 28] No space left on device"), error
+    assert "model.safetensors" in error and "HINT: free space" in error, error
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
