@@ -968,16 +968,20 @@ class Accelerator(Engine):
             if not source.is_dir():
                 raise ValueError(f"Tried to find {source} but folder does not exist")
         elif pc.automatic_checkpoint_naming and self.project_dir is not None:
+            from ds_engine.autosave import newest_complete_folder
+
             base = Path(self.project_dir) / "checkpoints"
             folders = _complete_states(base)
-            if not folders:
+            # the newest whose files match what its save recorded (a damaged one is skipped, warned)
+            newest = newest_complete_folder((path for _, path in folders), _STATE_TAG)
+            if newest is None:
                 others = sorted(path.name for _, path in _numbered(base))
                 raise FileNotFoundError(
                     f"no complete checkpoint_<i> folder under {str(base)!r}"
                     + (f" ({', '.join(others)} hold no complete saved state)" if others else "")
                     + ". HINT: save_state() first, or pass the folder to load_state(input_dir)."
                 )
-            source = folders[-1][1]
+            source = newest
         else:
             raise ValueError("load_state() needs an input_dir unless automatic_checkpoint_naming is on.")
         client = self.load_checkpoint(source, tag=_STATE_TAG)

@@ -54,6 +54,7 @@ from ds_engine._io import (
 )
 from ds_engine._values import parse_size  # re-exported: the one size parser
 from ds_engine.consolidate import consolidate_hint
+from ds_engine.manifest import write_manifest
 from ds_engine.safety import (
     TAG_RE,
     check_regular_file,
@@ -308,6 +309,7 @@ def save_training_checkpoint(
     if not failures:
         if rank == 0:
             try:
+                write_manifest(staging)  # every rank's files are written: record what the tag holds
                 publish(staging, target_root / tag)
                 os.replace(staging_root / LATEST_NAME, target_root / LATEST_NAME)
                 fsync_dir(target_root)

@@ -108,6 +108,7 @@ class PreparedDataLoader:
         on_batch: Callable[[PreparedDataLoader, int], None],
         on_end: Callable[[PreparedDataLoader], None],
         seed: int = 0,
+        after_batch: Callable[[PreparedDataLoader, int], None] | None = None,
     ) -> None:
         if isinstance(dataloader.dataset, IterableDataset):
             raise ValueError(
@@ -128,6 +129,8 @@ class PreparedDataLoader:
         self.device = device
         self._on_batch = on_batch
         self._on_end = on_end
+        self._after_batch = after_batch
+        """Called when the loop body of a batch returned, before the next batch is fetched."""
         sampler: Any = dataloader.sampler
         shuffle = isinstance(sampler, RandomSampler)
         custom = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
@@ -304,6 +307,8 @@ class PreparedDataLoader:
                 self.batch_index = start + offset
                 self._on_batch(self, self.batch_index)
                 yield move_to_device(batch, self.device)
+                if self._after_batch is not None:  # the body of this batch returned (autosave)
+                    self._after_batch(self, self.batch_index)
                 self.batch_index = start + offset + 1
             finished = True
         finally:

@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +118,7 @@ class Engine:
             )
 
         self._run_log: Any = None  # ds_engine.tracking.RunLog once `log_to` was called (main process)
+        self._autosaver: Any = None  # ds_engine.autosave.AutoSaver once `autosave` was called
         self.step = StepState()
         """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
         self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
@@ -374,6 +375,8 @@ class Engine:
         if self._run_log is not None:
             self._run_log.close()
             self._run_log = None
+        if self._autosaver is not None:
+            self._autosaver.close()  # the previous signal handlers come back
         # `is_main_process` still answers afterwards: from the group, or the launcher's variables
         if dist.is_available() and dist.is_initialized():
             self._place_at_end = (dist.get_rank(), dist.get_world_size())
@@ -678,6 +681,7 @@ class Engine:
             device=self.device,
             on_batch=self._on_batch,
             on_end=self._on_loader_end,
+            after_batch=self._after_batch,
         )
         self._check_same_length_on_every_rank(prepared, index=len(self._dataloaders))
         self._dataloaders.append(prepared)
@@ -723,6 +727,10 @@ class Engine:
         if id(loader) not in self._loader_marks:  # the pass's first batch
             self._loader_marks[id(loader)] = self._marks()
             self._trained_batch.pop(id(loader), None)
+
+    def _after_batch(self, loader: PreparedDataLoader, index: int) -> None:
+        if self._autosaver is not None:  # `autosave`: save at this boundary if one is due
+            self._autosaver.after_batch(loader, index)
 
     def _marks(self) -> tuple[int, int]:
         """(optimizer steps taken, skipped included; micro-steps)."""
@@ -1318,6 +1326,76 @@ class Engine:
         self._refuse_if_ended("load_checkpoint(directory)")
         return load_training_checkpoint(
             directory, backend=self._backend, model=self._model, state=self, tag=tag
+        )
+
+    def autosave(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every_steps: int | None = None,
+        every_minutes: float | None = None,
+        keep_last: int | None = None,
+        signals: Iterable[str | int] | str | None = ("SIGTERM",),
+        requeue: bool = False,
+        client_state: Callable[[], Mapping[str, Any]] | None = None,
+        agree_every: int | None = None,
+    ) -> dict[str, Any] | None:
+        """Resume from `directory` if it holds a checkpoint, then save there periodically and on preemption.
+
+        Call it once on every rank, right after `prepare` and before the training loop; loop over
+        epochs as ``for epoch in range(train_dl.epoch, epochs)`` so a resumed run continues its
+        epoch. It loads the newest *complete* checkpoint of `directory` (exactly what
+        `load_checkpoint` restores: model, optimizer, scheduler, RNG, counters, data position); a
+        newer tag whose files do not match what its save recorded (truncated, missing, changed)
+        is skipped with a warning naming it. Then, at optimizer boundaries of the prepared
+        training dataloader (after the loop body of a batch returned, never at an epoch's last
+        batch), it saves ``directory/step_<N>``: every `every_steps` optimizer steps, every
+        `every_minutes` minutes (rank 0's clock), and once when one of `signals` reaches any
+        rank; after that save every rank exits with status 143
+        (`ds_engine.preemption.PREEMPTED_EXIT_CODE`). The ranks agree at each boundary with one
+        small all_reduce; the signal handler only records the signal, so a second one during
+        the save changes nothing. `end_training` puts the previous handlers back.
+
+        Args:
+            directory: The checkpoint folder (created at the first save); one per Engine.
+            every_steps: Save every this many optimizer steps (skipped steps count); None: not
+                by steps.
+            every_minutes: Save when this many minutes passed since the last save; None: not by
+                time.
+            keep_last: Keep only the newest this many checkpoints (the oldest is removed only
+                after the new one is complete); None keeps all.
+            signals: The signals that mean "preempted" (names or numbers), e.g.
+                ``("SIGTERM", "SIGUSR1")`` for Slurm's ``--signal=USR1@120``; () catches none.
+            requeue: After a preemption save under Slurm, run ``scontrol requeue $SLURM_JOB_ID``.
+            client_state: A function returning your own small state (same types as
+                `save_checkpoint`'s), called at every save.
+            agree_every: Agree across ranks every this many boundaries (1: at every one, so a
+                signal is acted on at the next boundary); None: spaced by rank 0 so that the
+                agreement takes at most 0.25 % of the step time, and at most 1 s apart.
+
+        Returns:
+            The resumed checkpoint's `client_state` (an empty dict when none was saved), or None
+            when the run starts fresh.
+
+        Raises:
+            RuntimeError: Before `prepare`, after training began, called twice, or (with
+                signals) outside the main thread.
+            ValueError: A bad `every_steps`, `every_minutes`, `keep_last` or signal name.
+            TypeError: `directory`, `requeue` or `client_state` of the wrong type.
+        """
+        from ds_engine.autosave import start_autosave
+
+        self._refuse_if_ended("autosave(directory)")
+        return start_autosave(
+            self,
+            directory,
+            every_steps=every_steps,
+            every_minutes=every_minutes,
+            keep_last=keep_last,
+            signals=signals,
+            requeue=requeue,
+            client_state=client_state,
+            agree_every=agree_every,
         )
 
     # ================================================================= generation

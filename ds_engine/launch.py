@@ -30,6 +30,7 @@ from typing import Any
 from ds_engine._values import no_duplicate_keys
 from ds_engine.ds_config import PRESETS, preset_path
 from ds_engine.engine import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
+from ds_engine.preemption import PREEMPTED_EXIT_CODE
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -199,6 +200,15 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
     ]
     if spec.rdzv_endpoint is not None:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+    elif (
+        spec.max_restarts > 0
+        and spec.nnodes == "1"
+        and (spec.master_addr, spec.master_port, spec.node_rank) == (None, None, None)
+    ):
+        # A restart needs a fresh rendezvous round: under static rendezvous the restarted group
+        # reads the previous group's gloo addresses from the reused store and never connects.
+        # torchrun's `--standalone` (c10d on a free local port) starts a new round per restart.
+        args.append("--standalone")
     else:
         # Static rendezvous. With neither address nor port on one node, torchrun itself
         # picks a free local port (c10d on localhost:0), so parallel jobs do not collide.
@@ -298,29 +308,93 @@ def _failure_message(exc: Exception) -> str:
     )
 
 
+#: Signals the launcher forwards to its workers (torchrun's own four, plus the two that batch
+#: systems send ahead of a preemption, e.g. Slurm's ``--signal=USR1@120``).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+#: Seconds the launcher, once signalled, waits for its workers (their preemption save) before
+#: SIGKILL, unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise; the batch system's own grace
+#: period (Slurm's KillWait, Kubernetes' terminationGracePeriodSeconds) bounds it anyway.
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def _preempted_message(report: Path) -> str | None:
+    """What the workers' preemption report (`ds_engine.autosave.REPORT_ENV`) says, or None."""
+    try:
+        saved = json.loads(report.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    return (
+        f"the run was preempted ({saved.get('signal')}): every rank saved optimizer step {saved.get('step')} "
+        f"to {saved.get('folder')!r} and exited with status {PREEMPTED_EXIT_CODE}. Run the same command "
+        "again to resume from it."
+    )
+
+
 def launch(spec: LaunchSpec) -> int:
     """Validate `spec`, then run it with torchrun's elastic launcher in this process.
+
+    A signal to the launcher (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) is forwarded to
+    every worker; the launcher then waits up to `SHUTDOWN_TIMEOUT_S` (or
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT) for them, time for `engine.autosave`'s preemption save.
 
     Args:
         spec: what to run and where.
 
     Returns:
-        0 when every rank finished; 1 when a rank failed (torchrun has then stopped the others
-        and a one-line summary was printed to stderr).
+        0 when every rank finished; 143 (`PREEMPTED_EXIT_CODE`) when the run was preempted and its
+        ranks saved a checkpoint (`engine.autosave`), or when every failed rank exited with 143;
+        128 + the signal's number when the launcher was stopped by a signal and no save was
+        reported; 1 when a rank failed (torchrun has then stopped the others and a one-line
+        summary was printed to stderr).
 
     Raises:
         LaunchError: the request cannot work (nothing was started).
     """
     validate(spec)
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from ds_engine.autosave import REPORT_ENV
+
     torchrun_ns = get_args_parser().parse_args(torchrun_args(spec))
-    with _environment(worker_env(spec)):
-        try:
-            torchrun(torchrun_ns)
-        except ChildFailedError as exc:
-            print(f"ds-engine launch: {_failure_message(exc)}", file=sys.stderr, flush=True)
-            return 1
+    torchrun_ns.signals_to_handle = FORWARDED_SIGNALS
+    if torchrun_ns.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        torchrun_ns.shutdown_timeout = SHUTDOWN_TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix="ds_engine_launch_") as scratch:
+        report = Path(scratch) / "preempted.json"
+        with _environment({**worker_env(spec), REPORT_ENV: str(report)}):
+            try:
+                torchrun(torchrun_ns)
+            except ChildFailedError as exc:
+                codes = {f.exitcode for f in (getattr(exc, "failures", None) or {}).values()}
+                preempted = _preempted_message(report)
+                # the first rank to exit 143 makes torchrun stop the others with SIGTERM: a rank
+                # past its save may end by that signal instead of its own 143
+                if preempted is None and codes == {PREEMPTED_EXIT_CODE}:
+                    preempted = f"every rank exited with status {PREEMPTED_EXIT_CODE} (preempted)."
+                stopped = {PREEMPTED_EXIT_CODE, -15}  # 143, or SIGTERM from torchrun after the save
+                if preempted is not None and PREEMPTED_EXIT_CODE in codes and codes <= stopped:
+                    print(f"ds-engine launch: {preempted}", file=sys.stderr, flush=True)
+                    return PREEMPTED_EXIT_CODE
+                print(f"ds-engine launch: {_failure_message(exc)}", file=sys.stderr, flush=True)
+                return 1
+            except SignalException as exc:
+                preempted = _preempted_message(report)
+                if preempted is not None:
+                    print(f"ds-engine launch: {preempted}", file=sys.stderr, flush=True)
+                    return PREEMPTED_EXIT_CODE
+                print(
+                    f"ds-engine launch: received {exc.sigval.name} and forwarded it to the workers; they "
+                    "stopped without reporting a saved checkpoint (a script saves on preemption with "
+                    "`engine.autosave(directory)`).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 128 + int(exc.sigval)
     return 0

@@ -124,6 +124,12 @@ class AccelerateBackend(Backend):
         global _BASE_DISTRIBUTED_TYPE
         # The process group first (cpu=True is what makes accelerate form a multi-process
         # gloo group on CPU ranks), so that its distributed type is known before FSDP.
+        from ds_engine.restarts import init_restarted_process_group
+
+        init_restarted_process_group(  # a group torchrun restarted: fresh rendezvous keys
+            "nccl" if torch.cuda.is_available() and not self._cpu_only() else "gloo",
+            timedelta(seconds=eff.dist_timeout_s),
+        )
         partial = PartialState(cpu=self._cpu_only(), timeout=timedelta(seconds=eff.dist_timeout_s))
         if partial.use_distributed:
             destroy_process_group_at_exit()

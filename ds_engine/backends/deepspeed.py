@@ -79,9 +79,14 @@ class DeepSpeedBackend(Backend):
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
+        from ds_engine.restarts import init_restarted_process_group
+
         if dist.is_initialized():
             return
         _ensure_launch_env()
+        init_restarted_process_group(  # a group torchrun restarted: fresh rendezvous keys
+            get_accelerator().communication_backend_name(), timedelta(seconds=self.effective.dist_timeout_s)
+        )
         with quiet_unless_main():  # DeepSpeed prints a line per rank when it loads its comm op
             deepspeed.init_distributed(
                 dist_backend=get_accelerator().communication_backend_name(),

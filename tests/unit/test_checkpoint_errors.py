@@ -88,6 +88,7 @@ def test_layout_latest_and_meta(saved):
             FALLBACK_MODEL_NAME,
             FALLBACK_OPTIMIZER_NAME,
             "rng_state_rank0.pt",
+            "ds_engine_manifest.json",  # what the save wrote: resuming by itself checks it
         ]
     )
     meta = json.loads((tag / CHECKPOINT_META_NAME).read_text())
