@@ -114,7 +114,8 @@ def test_load_restores_counters_schedule_position_and_client_state(saved):
     assert scheduler2.get_last_lr() == scheduler.get_last_lr() == [optimizer2.param_groups[0]["lr"]]
     state = parts[0].unwrap_model(model2).state_dict()
     assert all(torch.equal(state[k], v) for k, v in expected.items())
-    assert loader2.state_dict() == {"epoch": 0, "batch_index": 0}  # not iterating yet
+    # not iterating yet: the restored position is what a save made now records
+    assert loader2.state_dict() == {"epoch": 0, "batch_index": 4}
     assert loader2.batch_sampler.skip_batches == 4  # the next batch after the 4 consumed
 
 

@@ -12,6 +12,7 @@ never opened, bomb or not.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,12 +88,15 @@ print(json.dumps({"errors": errors, "peak_rss_mib": peak}))
 
 def test_a_deflate_bomb_is_refused_everywhere_before_it_inflates(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    environ = {k: v for k, v in os.environ.items() if k not in launcher}  # a one-process run of its own
     result = subprocess.run(
         [sys.executable, "-c", _BOMB_RUN, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=root,
+        env=environ,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
