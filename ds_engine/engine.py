@@ -1291,6 +1291,10 @@ class Engine:
         key = os.path.abspath(os.fspath(directory))
         owner = _CHECKPOINT_DIRS.get(key)
         if owner is not None and owner is not self:
+            del owner
+            gc.collect()  # an Engine the script dropped may still sit in a reference cycle
+            owner = _CHECKPOINT_DIRS.get(key)
+        if owner is not None and owner is not self and not owner.step.ended:
             raise ValueError(
                 f"`directory`={key!r} holds the checkpoints of another Engine of this process; two "
                 "Engines in one folder would overwrite each other's tags and `latest`. HINT: give each "
