@@ -8,7 +8,10 @@ calls torchrun in-process. Multi-node runs therefore behave exactly as PyTorch u
 * static rendezvous: every node runs
   `ds-engine launch --nnodes K --node-rank R --master-addr A --master-port P ...`;
 * elastic (c10d) rendezvous: every node runs
-  `ds-engine launch --nnodes K --rdzv-endpoint HOST:PORT ...` and ranks are assigned.
+  `ds-engine launch --nnodes K --rdzv-endpoint HOST:PORT ...` and ranks are assigned;
+* inside a Slurm job step (`srun ds-engine launch ... script.py`, one launcher per node) or a
+  PyTorchJob pod, what the command line leaves out comes from the cluster's variables
+  (`ds_engine.slurm`), and one line says what was taken.
 
 With `--config`, the absolute path of the DeepSpeed JSON is exported to the workers as
 `DS_ENGINE_CONFIG`, which `Engine()` (constructed without a config) picks up.
@@ -17,6 +20,7 @@ With `--config`, the absolute path of the DeepSpeed JSON is exported to the work
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +35,7 @@ from ds_engine._values import no_duplicate_keys
 from ds_engine.ds_config import PRESETS, preset_path
 from ds_engine.engine import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
 from ds_engine.preemption import PREEMPTED_EXIT_CODE
+from ds_engine.slurm import cluster_flags
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -118,6 +123,20 @@ def _check_host_port(value: str) -> None:
         raise LaunchError(
             f"`--rdzv-endpoint` {value!r} is not HOST:PORT. HINT: e.g. --rdzv-endpoint node0.example:29400"
         )
+
+
+def with_cluster_flags(spec: LaunchSpec, environ: Mapping[str, str]) -> LaunchSpec:
+    """`spec` completed from a Slurm job step or a PyTorchJob pod (`ds_engine.slurm.cluster_flags`);
+    prints one INFO line to stderr saying what was taken, when anything was.
+
+    Raises:
+        SlurmError: a Slurm variable cannot be read (naming it and its value).
+    """
+    changes, taken = cluster_flags(spec, environ)
+    if taken is None:
+        return spec
+    print(f"ds-engine launch: INFO: {taken}", file=sys.stderr, flush=True)
+    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
 
 
 def validate(spec: LaunchSpec) -> None:
@@ -351,7 +370,9 @@ def launch(spec: LaunchSpec) -> int:
 
     Raises:
         LaunchError: the request cannot work (nothing was started).
+        SlurmError: a Slurm variable cannot be read (nothing was started).
     """
+    spec = with_cluster_flags(spec, os.environ)
     validate(spec)
     import tempfile
 
