@@ -142,6 +142,10 @@ class EngineConfig:
     gradients / overflow), instead of training on silently; 0 never raises."""
     dist_timeout_s: int = 1800
     """Engine only: process-group timeout in seconds (a dead rank ends the job after this)."""
+    hang_timeout_s: int = 600
+    """Engine only: an Engine call (a step, a save, ...) that makes no progress for this many
+    seconds counts as a hang: every rank prints its stack and what the others were doing, and the
+    run stops with status 124 (see docs/reliability.md). 0 turns the watchdog off."""
 
     _explicit: frozenset[str] | None = field(default=None, repr=False, compare=False)
     """Internal: fields passed explicitly (see `explicit_fields`); never pass it yourself."""
@@ -229,6 +233,7 @@ class EngineChoices(TypedDict, total=False):
     steps_per_print: int
     max_consecutive_skipped_steps: int
     dist_timeout_s: int
+    hang_timeout_s: int
 
 
 def _unknown_key_error(key: str, valid: tuple[str, ...], what: str) -> ConfigError:

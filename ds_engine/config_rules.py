@@ -122,6 +122,7 @@ FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "steps_per_print": _int_check(0),
     "max_consecutive_skipped_steps": _int_check(0),
     "dist_timeout_s": _int_check(1),
+    "hang_timeout_s": _int_check(0),
 }
 
 _FLOAT_FIELDS = frozenset({"gradient_clipping", "loss_scale", "min_loss_scale"})
