@@ -12,7 +12,10 @@ counters), for the test to compare with an uninterrupted run's.
 Interruptions, each fired once per output folder (a marker file keeps a restarted run from
 firing again): ``--fire STEP:RANK:WHAT`` at the first micro-step of optimizer step STEP + 1
 (before its backward), rank RANK does WHAT: ``TERM`` / ``USR1`` sends that signal to itself,
-``LAUNCHER`` sends SIGTERM to its parent (`ds-engine launch`), ``KILL`` SIGKILLs itself.
+``LAUNCHER`` sends SIGTERM to its parent (`ds-engine launch`), ``KILL`` SIGKILLs itself,
+``TERMBACKWARD`` sends SIGTERM to itself from inside that micro-step's backward (a gradient hook).
+``--fire STEP:RANK:KILLSAVE:WHERE`` SIGKILLs rank RANK inside the save of optimizer step STEP, at
+its first file write: ``before`` it, ``after`` it, or ``torn`` (the file written half, then killed).
 """
 
 from __future__ import annotations
@@ -74,6 +77,25 @@ def checkpoint_digests(tag_dir: Path) -> dict:
     return found
 
 
+def kill_inside_saves(engine, step: int, where: str, marker: Path) -> None:
+    """SIGKILL this rank at the first file the save of optimizer `step` writes (`torch.save`)."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if engine.num_optimizer_steps != step or marker.exists():
+            return real_save(obj, f, *args, **kwargs)
+        marker.write_text(json.dumps({"what": f"KILLSAVE:{where}", "time": time.time(), "step": step}))
+        if where != "before":
+            real_save(obj, f, *args, **kwargs)
+            if where == "torn" and isinstance(f, (str, os.PathLike)):
+                size = os.path.getsize(f)
+                with open(f, "r+b") as file:
+                    file.truncate(size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save
+
+
 def main() -> None:
     args = parse_args(
         [
@@ -122,8 +144,12 @@ def main() -> None:
     with open(out / f"starts_rank{rank()}.jsonl", "a") as f:
         f.write(json.dumps(start) + "\n")
 
-    fire_step, fire_rank, what = [*args.fire.split(":"), "", "", ""][:3] if args.fire else ("-1", "-1", "")
+    fire_step, fire_rank, what, where = (
+        [*args.fire.split(":"), "", "", "", ""][:4] if args.fire else ("-1", "-1", "", "")
+    )
     marker = out / "fired"
+    if what == "KILLSAVE" and rank() == int(fire_rank) and not marker.exists():
+        kill_inside_saves(engine, int(fire_step), where, marker)
     log = open(out / f"steps_rank{rank()}.jsonl", "a", buffering=1)  # noqa: SIM115 - closed after the loop
     window: list[int] = []
     for _epoch in range(train_dl.epoch, EPOCHS):
@@ -136,7 +162,10 @@ def main() -> None:
                     and not marker.exists()
                 ):
                     marker.write_text(json.dumps({"what": what, "time": time.time(), "step": int(fire_step)}))
-                    if what == "KILL":
+                    if what == "TERMBACKWARD":
+                        x = x.clone().requires_grad_(True)  # its gradient is computed last in backward
+                        x.register_hook(lambda g: (os.kill(os.getpid(), signal.SIGTERM), g)[1])
+                    elif what == "KILL":
                         os.kill(os.getpid(), signal.SIGKILL)
                     elif what == "LAUNCHER":
                         os.kill(os.getppid(), signal.SIGTERM)
