@@ -9,7 +9,9 @@ rank (`SLURM_NODEID`), the master address (the first host of `SLURM_STEP_NODELIS
 the job id (`port_for_job`), and the processes per node (`SLURM_NTASKS_PER_NODE`, else the
 node's GPUs). In a pod of a PyTorchJob the operator's `PET_NNODES`, `PET_NODE_RANK`,
 `PET_MASTER_ADDR`, `PET_MASTER_PORT` and `PET_NPROC_PER_NODE` (torchrun's own environment
-names for its options) are read the same way. A flag given on the command line always wins.
+names for its options), or with an `elasticPolicy` `PET_RDZV_ENDPOINT`, `PET_RDZV_ID`,
+`PET_NNODES` (MIN:MAX) and `PET_MAX_RESTARTS`, are read the same way. A flag given on the
+command line always wins.
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ class NodeLayout(Protocol):
     master_port: int | None
     nproc_per_node: str
     rdzv_endpoint: str | None
+    rdzv_id: str
+    max_restarts: int
 
 
 class SlurmError(ValueError):
-    """A Slurm variable ds-engine launch cannot read; raised before any process starts."""
+    """A Slurm (or PyTorchJob `PET_*`) variable ds-engine launch cannot read; raised before any
+    process starts."""
 
 
 def _expand_range(text: str, hostlist: str) -> list[str]:
@@ -251,37 +256,57 @@ def _slurm(spec: NodeLayout, environ: Mapping[str, str]) -> tuple[dict[str, obje
 
 
 #: torchrun's environment names for its options, as the PyTorch operator sets them in a pod.
-_PET = {
+_PET_STATIC = {
     "nnodes": "PET_NNODES",
     "node_rank": "PET_NODE_RANK",
     "master_addr": "PET_MASTER_ADDR",
     "master_port": "PET_MASTER_PORT",
     "nproc_per_node": "PET_NPROC_PER_NODE",
 }
+#: ... and those of a PyTorchJob with an `elasticPolicy` (c10d rendezvous).
+_PET_ELASTIC = {
+    "rdzv_endpoint": "PET_RDZV_ENDPOINT",
+    "rdzv_id": "PET_RDZV_ID",
+    "nnodes": "PET_NNODES",
+    "max_restarts": "PET_MAX_RESTARTS",
+    "nproc_per_node": "PET_NPROC_PER_NODE",
+}
+_DEFAULTS: dict[str, object] = {
+    "nnodes": "1",
+    "node_rank": None,
+    "master_addr": None,
+    "master_port": None,
+    "nproc_per_node": "1",
+    "rdzv_endpoint": None,
+    "rdzv_id": "ds-engine",
+    "max_restarts": 0,
+}
 
 
 def _operator(spec: NodeLayout, environ: Mapping[str, str]) -> tuple[dict[str, object], list[str]]:
     changes: dict[str, object] = {}
     taken: list[str] = []
-    defaults = {
-        "nnodes": "1",
-        "node_rank": None,
-        "master_addr": None,
-        "master_port": None,
-        "nproc_per_node": "1",
-    }
-    if spec.rdzv_endpoint is not None:  # elastic: the rendezvous assigns ranks
-        defaults = {"nproc_per_node": "1"}
-    for attr, default in defaults.items():
-        name = _PET[attr]
+    static_given = any(getattr(spec, a) is not None for a in ("node_rank", "master_addr", "master_port"))
+    elastic = bool(environ.get("PET_RDZV_ENDPOINT", "").strip()) and not static_given
+    if elastic:
+        backend = environ.get("PET_RDZV_BACKEND", "c10d").strip()
+        if backend != "c10d":
+            raise SlurmError(
+                f"PET_RDZV_BACKEND={backend!r}: ds-engine launch uses c10d rendezvous. "
+                "HINT: set rdzvBackend: c10d in the PyTorchJob's elasticPolicy"
+            )
+    names = _PET_ELASTIC if elastic or spec.rdzv_endpoint is not None else _PET_STATIC
+    if spec.rdzv_endpoint is not None:  # the command line chose elastic: only the processes per node
+        names = {"nproc_per_node": "PET_NPROC_PER_NODE"}
+    for attr, name in names.items():
         value = environ.get(name, "").strip()
-        if not value or getattr(spec, attr) != default:
+        if not value or getattr(spec, attr) != _DEFAULTS[attr]:
             continue
         parsed: object = value
-        if attr in ("node_rank", "master_port"):
+        if attr in ("node_rank", "master_port", "max_restarts"):
             parsed = _integer(name, value)
         changes[attr] = parsed
-        taken.append(f"{attr.replace('_', '-')}={value} ({name})")
+        taken.append(f"{attr}={value} ({name})")
     return changes, taken
 
 
@@ -307,7 +332,7 @@ def cluster_flags(spec: NodeLayout, environ: Mapping[str, str]) -> tuple[dict[st
     if environ.get("SLURM_JOB_ID") and "SLURM_STEP_NUM_NODES" in environ:
         changes, taken = _slurm(spec, environ)
         source = f"Slurm job {environ['SLURM_JOB_ID']}"
-    elif any(environ.get(name) for name in _PET.values()):
+    elif any(environ.get(name) for name in (*_PET_STATIC.values(), *_PET_ELASTIC.values())):
         changes, taken = _operator(spec, environ)
         source = "the PyTorch operator's PET_* variables"
     else:

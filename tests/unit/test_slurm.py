@@ -239,3 +239,27 @@ def test_pytorch_operator_variables_fill_the_layout(script: str, capsys: pytest.
     assert (flagged.nproc_per_node, flagged.master_port) == ("4", 29500)
     with pytest.raises(SlurmError, match="PET_NODE_RANK='one'"):
         with_cluster_flags(LaunchSpec(script=script), {**env, "PET_NODE_RANK": "one"})
+
+
+def test_an_elastic_pytorchjob_gives_the_rendezvous(script: str) -> None:
+    env = {
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "job-worker-0:23456",
+        "PET_RDZV_ID": "job",
+        "PET_NNODES": "1:4",
+        "PET_MAX_RESTARTS": "3",
+        "PET_NPROC_PER_NODE": "8",
+        "MASTER_ADDR": "job-worker-0",  # the operator's plain variables are for the workers, not read
+    }
+    spec = with_cluster_flags(LaunchSpec(script=script), env)
+    validate(spec)
+    assert (spec.rdzv_endpoint, spec.rdzv_id, spec.nnodes, spec.max_restarts, spec.nproc_per_node) == (
+        "job-worker-0:23456",
+        "job",
+        "1:4",
+        3,
+        "8",
+    )
+    assert spec.master_addr is None and spec.node_rank is None
+    with pytest.raises(SlurmError, match=r"PET_RDZV_BACKEND='etcd'.*rdzvBackend: c10d"):
+        with_cluster_flags(LaunchSpec(script=script), {**env, "PET_RDZV_BACKEND": "etcd"})
