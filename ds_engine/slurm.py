@@ -6,8 +6,8 @@ the job step: the number of nodes (`SLURM_STEP_NUM_NODES`, else `SLURM_NNODES`),
 rank (`SLURM_NODEID`), the master address (the first host of `SLURM_STEP_NODELIST`, else
 `SLURM_JOB_NODELIST`: a compressed host list such as `gpu[01-04,07]`, expanded by
 `scontrol show hostnames` when it is on PATH, else by `expand_hostlist`), a port derived from
-the job id (`port_for_job`), and the processes per node (`SLURM_NTASKS_PER_NODE`, else the
-node's GPUs). In a pod of a PyTorchJob the operator's `PET_NNODES`, `PET_NODE_RANK`,
+the job id (`port_for_job`), and the processes per node (the node's GPUs, else
+`SLURM_NTASKS_PER_NODE`). In a pod of a PyTorchJob the operator's `PET_NNODES`, `PET_NODE_RANK`,
 `PET_MASTER_ADDR`, `PET_MASTER_PORT` and `PET_NPROC_PER_NODE` (torchrun's own environment
 names for its options), or with an `elasticPolicy` `PET_RDZV_ENDPOINT`, `PET_RDZV_ID`,
 `PET_NNODES` (MIN:MAX) and `PET_MAX_RESTARTS`, are read the same way. A flag given on the
@@ -242,13 +242,16 @@ def _slurm(spec: NodeLayout, environ: Mapping[str, str]) -> tuple[dict[str, obje
         changes["master_port"] = port
         taken.append(f"master_port={port} (from SLURM_JOB_ID={job_id})")
     if spec.nproc_per_node == "1":
+        # one launcher per node starts a process per GPU; without GPUs, the job's tasks per node
+        # (`--ntasks-per-node` of sbatch, when the step was started with one task per node)
+        gpus = _gpus_on_node(environ)
         per_node = environ.get("SLURM_NTASKS_PER_NODE")
-        if per_node:
-            count = _count("SLURM_NTASKS_PER_NODE", per_node)
-            source = "SLURM_NTASKS_PER_NODE"
+        if gpus:
+            count, source = gpus, "the node's GPUs, SLURM_GPUS_ON_NODE/SLURM_GPUS_PER_NODE"
+        elif per_node:
+            count, source = _count("SLURM_NTASKS_PER_NODE", per_node), "SLURM_NTASKS_PER_NODE"
         else:
-            gpus = _gpus_on_node(environ)
-            count, source = (gpus, "the node's GPUs") if gpus else (1, "")
+            count, source = 1, ""
         if count != 1:
             changes["nproc_per_node"] = str(count)
             taken.append(f"nproc_per_node={count} ({source})")

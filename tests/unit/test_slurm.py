@@ -140,12 +140,16 @@ def test_an_srun_step_fills_the_layout_and_says_so(script: str, capsys: pytest.C
     )
 
 
-def test_gpus_give_the_processes_when_tasks_per_node_is_not_set(script: str) -> None:
-    env = _slurm_env(0, SLURM_GPUS_ON_NODE="8")
-    del env["SLURM_NTASKS_PER_NODE"]
+def test_gpus_give_the_processes_per_node_before_tasks_per_node(script: str) -> None:
+    # sbatch --ntasks-per-node=1 --gpus-per-node=8: one launcher per node, 8 processes each
+    env = _slurm_env(0, SLURM_GPUS_ON_NODE="8", SLURM_NTASKS_PER_NODE="1")
     assert with_cluster_flags(LaunchSpec(script=script), env).nproc_per_node == "8"
-    env = _slurm_env(0, SLURM_GPUS_PER_NODE="h100:2", SLURM_NTASKS_PER_NODE="2(x2)")
+    env = _slurm_env(0, SLURM_GPUS_PER_NODE="h100:2", SLURM_NTASKS_PER_NODE="4(x2)")
     assert with_cluster_flags(LaunchSpec(script=script), env).nproc_per_node == "2"
+    env = _slurm_env(0, SLURM_NTASKS_PER_NODE="3(x2)")  # no GPUs: the job's tasks per node
+    assert with_cluster_flags(LaunchSpec(script=script), env).nproc_per_node == "3"
+    del env["SLURM_NTASKS_PER_NODE"]
+    assert with_cluster_flags(LaunchSpec(script=script), env).nproc_per_node == "1"
 
 
 def test_explicit_flags_win(script: str, capsys: pytest.CaptureFixture[str]) -> None:
