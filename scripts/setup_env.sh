@@ -43,11 +43,11 @@ if [ -n "${DS_ENGINE_TORCH_INDEX:-}" ]; then index_args=(--index-url "$DS_ENGINE
 echo "[setup] $venv: installing $torch_spec"
 "${pip[@]}" install -q "${index_args[@]}" "$torch_spec"
 if [ "$with_deepspeed" = 1 ]; then
-  echo "[setup] $venv: installing ds-engine[dev,deepspeed,peft]"
-  "${pip[@]}" install -q -e ".[dev,deepspeed,peft]"
+  echo "[setup] $venv: installing ds-engine[dev,deepspeed,peft,ray]"
+  "${pip[@]}" install -q -e ".[dev,deepspeed,peft,ray]"
 else
-  echo "[setup] $venv: installing ds-engine[dev,peft] without DeepSpeed"
-  "${pip[@]}" install -q -e ".[dev,peft]"
+  echo "[setup] $venv: installing ds-engine[dev,peft,ray] without DeepSpeed"
+  "${pip[@]}" install -q -e ".[dev,peft,ray]"
   if "$venv/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
     "${pip[@]}" uninstall -q -y deepspeed
   fi

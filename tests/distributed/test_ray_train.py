@@ -1,0 +1,161 @@
+"""The Engine's training loop under Ray Train (`scripts/examples/ray_train_loop.py`) on a real local
+Ray cluster: 2 `TorchTrainer` workers train step for step what 2 torchrun ranks train, and a run
+stopped after a checkpoint and started again (same run name and storage) resumes through
+`ray.train.get_checkpoint()` to the same end, exactly.
+
+One Ray cluster serves the whole module (`num_cpus=2`, no dashboard): starting it costs a few
+seconds, each `fit` 30-40 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_engine._imports import is_deepspeed_available
+from tests.distributed.launcher import ROOT, run_command, worker_env
+
+ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "ds-engine[ray]"')
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # each test: 1-2 minutes on 2 shared cores
+
+EXAMPLES = ROOT / "scripts" / "examples"
+EXAMPLE = EXAMPLES / "ray_train_loop.py"
+STEPS = 16  # 64 samples, 2 workers x micro-batch 2 x GA 2 per step, 2 epochs
+BACKENDS = {
+    "fallback": {"backend": "accelerate", "zero_stage": 0},
+    "zero2": {"backend": "deepspeed", "zero_stage": 2},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3},
+}
+
+
+def _backend(name: str) -> Any:
+    if name == "fallback":
+        return pytest.param(name)
+    marks = [pytest.mark.deepspeed]
+    if not is_deepspeed_available():
+        marks.append(pytest.mark.skip(reason="DeepSpeed is not installed"))
+    return pytest.param(name, marks=marks)
+
+
+PARAMS = [_backend(name) for name in BACKENDS]
+
+
+@pytest.fixture(scope="module")
+def example() -> Any:
+    """The example module, imported by name here and (through PYTHONPATH) in Ray's workers."""
+    env = worker_env()
+    pythonpath = f"{EXAMPLES}:{env['PYTHONPATH']}"
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": pythonpath,
+                "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "HF_HUB_OFFLINE": "1",
+            }
+        },
+    )
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import ray_train_loop
+
+        yield ray_train_loop
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        ray.shutdown()
+
+
+def _losses(out: Path) -> list[dict[int, float]]:
+    per_rank = []
+    for rank in range(2):
+        lines = (out / f"losses_rank{rank}.jsonl").read_text().splitlines()
+        per_rank.append({r["step"]: r["loss"] for r in map(json.loads, lines)})
+    return per_rank
+
+
+def _fit(example: Any, backend: str, out: Path, storage: Path, name: str, **config: Any) -> Any:
+    out.mkdir(parents=True, exist_ok=True)
+    return example.fit(
+        {**BACKENDS[backend], "out": str(out), "every": 4, **config},
+        workers=2,
+        gpu=False,
+        storage=str(storage),
+        name=name,
+    )
+
+
+_RAY_RUNS: dict[str, Path] = {}
+
+
+@pytest.fixture
+def uninterrupted(example: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    def get(backend: str) -> Path:
+        if backend not in _RAY_RUNS:
+            root = tmp_path_factory.mktemp(f"ray_{backend}")
+            result = _fit(example, backend, root / "out", root / "storage", f"whole_{backend}")
+            assert result.error is None, result.error
+            assert result.metrics["step"] == STEPS
+            _RAY_RUNS[backend] = root / "out"
+        return _RAY_RUNS[backend]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_ray_workers_train_what_torchrun_ranks_train(
+    backend: str, uninterrupted: Any, tmp_path: Path
+) -> None:
+    settings = BACKENDS[backend]
+    cmd = [
+        sys.executable, "-m", "ds_engine.cli", "launch", "--nproc-per-node", "2", str(EXAMPLE), "--torchrun",
+        "--backend", str(settings["backend"]), "--zero-stage", str(settings["zero_stage"]),
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    result = run_command(
+        cmd, timeout=420, env=worker_env(), finished=lambda: (tmp_path / "weights.pt").exists()
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    ray_out = uninterrupted(backend)
+    torchrun_losses, ray_losses = _losses(tmp_path), _losses(ray_out)
+    for rank in range(2):
+        assert sorted(ray_losses[rank]) == list(range(1, STEPS + 1))
+        assert ray_losses[rank].keys() == torchrun_losses[rank].keys()
+        worst = max(abs(ray_losses[rank][s] - torchrun_losses[rank][s]) for s in ray_losses[rank])
+        assert worst <= 1e-6, f"rank {rank}: losses differ by up to {worst}"
+    ray_weights = torch.load(ray_out / "weights.pt")
+    torchrun_weights = torch.load(tmp_path / "weights.pt")
+    assert ray_weights.keys() == torchrun_weights.keys()
+    for key, value in ray_weights.items():
+        torch.testing.assert_close(value, torchrun_weights[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_a_run_resumed_through_rays_checkpoint_ends_exactly_like_an_uninterrupted_one(
+    backend: str, example: Any, uninterrupted: Any, tmp_path: Path
+) -> None:
+    storage = tmp_path / "storage"
+    first = _fit(example, backend, tmp_path / "first", storage, "resumed", stop_after=10)
+    assert first.error is None, first.error
+    assert first.checkpoint is not None and (Path(first.checkpoint.path) / "step_8").is_dir()
+    # the same run name and storage: Ray hands the workers its newest checkpoint (step 8)
+    second = _fit(example, backend, tmp_path / "second", storage, "resumed")
+    assert second.error is None, second.error
+    assert second.metrics["step"] == STEPS
+    whole = uninterrupted(backend)
+    expected = _losses(whole)
+    got = _losses(tmp_path / "second")
+    for rank in range(2):
+        assert sorted(got[rank]) == list(range(9, STEPS + 1)), "the second run did not start after step 8"
+        assert got[rank] == {s: expected[rank][s] for s in got[rank]}, f"rank {rank}: losses differ"
+    weights, reference = torch.load(tmp_path / "second" / "weights.pt"), torch.load(whole / "weights.pt")
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in weights), "the final weights differ"
