@@ -13,8 +13,10 @@ __all__ = [
     "MemoryEstimate",
     "OffloadDevice",
     "OptimizerName",
+    "PeakEstimate",
     "Precision",
     "Recommendation",
+    "StagePlan",
     "format_bytes",
     "format_count",
 ]
@@ -136,6 +138,117 @@ class Recommendation:
     def offload_params(self) -> OffloadDevice:
         """The recommended `offload_params` device."""
         return self.estimate.offload_params
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakEstimate:
+    """The whole per-rank peak of one training set-up, term by term (`ds_engine.memory.estimate_peak`).
+
+    Every term is bytes per rank. `states` holds the model states (as `estimate_memory`); the
+    others are what a step adds on top of them on the accelerator, and `host_per_rank` is this
+    rank's share of the node's host memory (offloaded states).
+    """
+
+    states: MemoryEstimate
+    activations: int
+    """Tensors saved for backward by the layers, embeddings and LoRA adapters (with checkpointing:
+    layer inputs plus one layer recomputed)."""
+    logits: int
+    """A causal LM's vocabulary logits and loss buffers (0 for other heads)."""
+    live_params: int
+    """ZeRO-3: 16-bit weights gathered beyond the largest layer (up to `stage3_max_live_parameters`)."""
+    buckets: int
+    """Gradient reduction buckets and the ZeRO-3 prefetch bucket."""
+    lora: int
+    """LoRA adapters' weights, gradients and optimizer states, shown apart but counted inside
+    `states` (which sizes the trainable part by them); their activations are in `activations`.
+    0 without adapters."""
+    offload_buffers: int
+    """Staging copies around the CPU optimizer step (host memory, per rank); 0 without offload."""
+    overhead: int
+    """The framework's own memory: a fixed part and the copies its optimizers make (per parameter);
+    on a GPU also the CUDA context and the caching allocator's slack."""
+    device: str
+    """"cpu": accelerator and host are one memory (a CPU run); "cuda": separate."""
+    seq_len: int
+    micro_batch: int
+    activation_checkpointing: bool
+
+    @property
+    def host_per_rank(self) -> int:
+        """This rank's share of host memory: offloaded states and the offload staging buffers."""
+        g = self.states.num_gpus_per_node
+        return -(-self.states.host.model_states // g) + self.offload_buffers
+
+    @property
+    def accelerator_total(self) -> int:
+        """Peak bytes on one accelerator: model states, activations, logits, gathered weights,
+        buckets, LoRA activations and the framework overhead."""
+        return (
+            self.states.accelerator.total
+            + self.activations
+            + self.logits
+            + self.live_params
+            + self.buckets
+            + self.overhead
+        )
+
+    @property
+    def per_rank_total(self) -> int:
+        """What one rank needs at its peak. On a CPU run the accelerator and host are one memory:
+        their sum, or the model-loading peak if larger. On a GPU: the accelerator's figure."""
+        if self.device != "cpu":
+            return self.accelerator_total
+        g = self.states.num_gpus_per_node
+        loading = -(-self.states.host.working // g) + self.overhead
+        return max(self.accelerator_total + self.host_per_rank, loading)
+
+    def terms(self) -> dict[str, int]:
+        """Each term by name (bytes per rank), `model_states` split as accelerator and host."""
+        return {
+            "model_states": self.states.accelerator.total,
+            "host_states": self.host_per_rank - self.offload_buffers,
+            "activations": self.activations,
+            "logits": self.logits,
+            "live_params": self.live_params,
+            "buckets": self.buckets,
+            "lora_states": self.lora,
+            "offload_buffers": self.offload_buffers,
+            "overhead": self.overhead,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """The ZeRO stage/offload chosen for a memory budget (`ds_engine.memory.choose_zero_stage`)."""
+
+    choice: PeakEstimate
+    """The set-up with the least communication that fits, and its peak."""
+    runner_up: PeakEstimate | None
+    """The next set-up in order that also fits (more communication or offload), if any."""
+    budget_bytes: int
+    """Memory per accelerator the choice was made for."""
+    margin: float
+    """Fraction of the budget kept free (the peak times 1 + margin must fit)."""
+    log_line: str
+    """One line saying what was chosen and why, for a log."""
+    candidates: tuple[PeakEstimate, ...]
+    """Every set-up considered, least communication first."""
+
+    @property
+    def zero_stage(self) -> int:
+        """The chosen ZeRO stage."""
+        return self.choice.states.zero_stage
+
+    @property
+    def offload_optimizer(self) -> OffloadDevice:
+        """The chosen `offload_optimizer`."""
+        return self.choice.states.offload_optimizer
+
+    @property
+    def offload_params(self) -> OffloadDevice:
+        """The chosen `offload_params`."""
+        return self.choice.states.offload_params
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ds_engine._memory_peak import (
+    LoraShape,
+    TransformerShape,
+    lora_params,
+    shape_from_config,
+    shape_from_count,
+)
 from ds_engine._values import no_duplicate_keys, words
 
 if TYPE_CHECKING:
@@ -27,6 +34,10 @@ __all__ = [
     "count_params",
     "estimate_largest_layer",
     "meta_model",
+    "model_and_shape",
+    "peak_model",
+    "resolve_num_params",
+    "resolve_trainable_params",
 ]
 
 
@@ -88,6 +99,139 @@ def estimate_largest_layer(num_params: int) -> int:
     hidden = (ASSUMED_HIDDEN_PER_LAYER * num_params / 12) ** (1 / 3)
     largest = max(ASSUMED_VOCAB * hidden, 4 * hidden * hidden)
     return max(1, min(round(largest), num_params // 3 or num_params))
+
+
+# --------------------------------------------------------------------------- resolving
+def resolve_num_params(
+    model_or_num_params: Any, largest_layer_params: int | None, limits: Limits
+) -> tuple[int, int]:
+    """Turn an int, `nn.Module`, HF config or model path into (num_params, largest_layer_params).
+
+    Args:
+        model_or_num_params: a parameter count, an `nn.Module`, a transformers
+            `PretrainedConfig`, or a path to an HF model folder / config JSON file.
+        largest_layer_params: overrides the derived largest layer. With an int count and no
+            value given, it is `estimate_largest_layer(count)` (usual transformer shapes).
+
+    Raises:
+        ValueError: a count that is not a positive integer, or an unsupported type.
+        FileNotFoundError: a path that does not exist.
+    """
+    if isinstance(model_or_num_params, bool):
+        raise ValueError(
+            f"`model_or_num_params` must be a positive int, an nn.Module, a PretrainedConfig or a path; "
+            f"got {model_or_num_params!r}. HINT: pass the parameter count, e.g. 1_300_000_000"
+        )
+    if isinstance(model_or_num_params, int):
+        num_params = model_or_num_params
+        largest = estimate_largest_layer(num_params) if num_params > 0 else num_params
+    elif isinstance(model_or_num_params, (str, os.PathLike)):
+        path = Path(model_or_num_params)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"`model` path {str(path)!r} does not exist. HINT: pass a local Hugging Face model folder "
+                "or config JSON file (nothing is downloaded), or a parameter count"
+            )
+        num_params, largest = count_params(meta_model(path, limits))
+    else:
+        import torch
+
+        if isinstance(model_or_num_params, torch.nn.Module):
+            num_params, largest = count_params(model_or_num_params)
+        elif hasattr(model_or_num_params, "to_dict") and hasattr(model_or_num_params, "model_type"):
+            num_params, largest = count_params(meta_model(model_or_num_params, limits))
+        else:
+            raise ValueError(
+                f"`model_or_num_params` has unsupported type {type(model_or_num_params).__name__}; allowed: "
+                "int, torch.nn.Module, transformers.PretrainedConfig, or a path to a model folder. "
+                "HINT: pass the parameter count"
+            )
+    if not 0 < num_params <= limits.params:
+        raise ValueError(
+            f"`model_or_num_params` must be a positive parameter count of at most {limits.params:.0e}, "
+            f"got {num_params}. HINT: pass the number of parameters, e.g. 1_300_000_000"
+        )
+    if largest_layer_params is not None:
+        if isinstance(largest_layer_params, bool) or not isinstance(largest_layer_params, int):
+            raise ValueError(
+                f"`largest_layer_params` must be an int, got {largest_layer_params!r}. "
+                "HINT: pass the parameter count of the largest layer, or leave it out"
+            )
+        if not 0 < largest_layer_params <= num_params:
+            raise ValueError(
+                f"`largest_layer_params`={largest_layer_params} must be in 1..{num_params} (the total). "
+                "HINT: pass the largest single layer's parameter count, or leave it out"
+            )
+        largest = largest_layer_params
+    return num_params, largest
+
+
+def resolve_trainable_params(model_or_num_params: Any, num_params: int, trainable_params: int | None) -> int:
+    """`trainable_params` checked, or counted from an `nn.Module` (its `requires_grad`
+    parameters, shared ones once), or all `num_params` for a count, config or path."""
+    if trainable_params is None:
+        import torch
+
+        if isinstance(model_or_num_params, torch.nn.Module):
+            unique = {id(p): p.numel() for p in model_or_num_params.parameters() if p.requires_grad}
+            return sum(unique.values())
+        return num_params
+    if isinstance(trainable_params, bool) or not isinstance(trainable_params, int):
+        raise ValueError(
+            f"`trainable_params` must be an int, got {trainable_params!r}. HINT: pass the number of "
+            "parameters with requires_grad (e.g. a LoRA adapter's), or leave it out"
+        )
+    if not 0 <= trainable_params <= num_params:
+        raise ValueError(
+            f"`trainable_params`={trainable_params} must be in 0..{num_params} (the total). HINT: pass "
+            "the number of parameters with requires_grad, or leave it out"
+        )
+    return trainable_params
+
+
+def model_and_shape(model: Any, limits: Limits) -> tuple[Any, TransformerShape | None, bool]:
+    """(what to count, its transformer shape or None, whether it is a causal LM)."""
+    source: Any = model
+    if isinstance(model, (str, os.PathLike)) and not isinstance(model, bool):
+        path = Path(model)
+        if not path.exists():
+            resolve_num_params(model, None, limits)  # raises the usual FileNotFoundError
+        source = meta_model(path, limits)
+    config = getattr(source, "config", None)
+    if config is None and hasattr(source, "model_type") and hasattr(source, "to_dict"):
+        config = source
+    shape = shape_from_config(config) if config is not None else None
+    names = [type(source).__name__, *(getattr(config, "architectures", None) or [])]
+    base = getattr(getattr(source, "base_model", None), "model", None)
+    names.append(type(base).__name__)
+    causal = any(str(n).endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+    return source, shape, causal or config is None
+
+
+def peak_model(
+    model: Any, lora: LoraShape | None, largest_layer_params: int | None, limits: Limits
+) -> tuple[int, int, int, int, TransformerShape, LoraShape | None, bool]:
+    """What `estimate_peak` needs of a model: (parameters, largest layer, trainable, adapter
+    parameters, transformer shape, LoRA shape, causal LM). A `lora` given adds adapters to a
+    config or count (they are then the trainable parameters); a peft model is read as it is."""
+    source, shape, causal = model_and_shape(model, limits)
+    num_params, largest = resolve_num_params(source, largest_layer_params, limits)
+    if shape is None:
+        shape = shape_from_count(num_params, hidden_per_layer=ASSUMED_HIDDEN_PER_LAYER, vocab=ASSUMED_VOCAB)
+    if lora is None:
+        peft = getattr(model, "peft_config", None)
+        if isinstance(peft, dict) and peft:
+            first = next(iter(peft.values()))
+            targets = getattr(first, "target_modules", None) or ()
+            lora = LoraShape(rank=int(getattr(first, "r", 8)), targets=tuple(sorted(targets)))
+        trainable = resolve_trainable_params(source, num_params, None)
+        return num_params, largest, trainable, trainable if lora else 0, shape, lora, causal
+    if not isinstance(lora, LoraShape) or isinstance(lora.rank, bool) or lora.rank < 1:
+        raise ValueError(
+            f"`lora` must be a LoraShape with a rank >= 1, got {lora!r}. HINT: LoraShape(rank=16)"
+        )
+    adapter = lora_params(shape, lora)
+    return num_params + adapter, largest, adapter, adapter, shape, lora, causal
 
 
 def _check_repeats(data: Any, where: str, max_layers: int, depth: int = 0) -> None:

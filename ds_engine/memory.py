@@ -1,83 +1,22 @@
-"""ZeRO-aware memory estimate for model states, and the cheapest stage/offload that fits.
+"""ZeRO-aware memory estimate: model states, the whole per-rank peak, communication per step,
+and the ZeRO stage/offload to use.
 
-`estimate_memory` returns numbers (bytes per accelerator and per host) for the *model states*
-of data-parallel training: parameters, gradients and optimizer states (fp32 master weights,
-fp32 gradients handed to the optimizer, and the optimizer's own state). Activations, the
-CUDA context, communication buckets and fragmentation are not included; keep headroom for
-them (`recommend_config` does).
+* `estimate_memory` / `estimate_all` / `recommend_config`: the *model states* of data-parallel
+  training (parameters, gradients, fp32 master weights and gradients, optimizer state) per
+  accelerator and per node's host memory, for each stage/offload choice.
+* `estimate_peak`: the whole per-rank peak: model states plus activations for a micro batch and
+  sequence length (with or without activation checkpointing; logits and loss buffers), ZeRO-3's
+  gathered weights, reduction buckets, LoRA adapters, CPU-offload staging and the framework's
+  own memory.
+* `choose_zero_stage`: from `estimate_peak`, the set-up with the least communication that fits
+  a memory budget with a margin (ZeRO-0 < 1 < 2 < 3 < 3 + offload), the runner-up, one log line.
+* `communication_per_step`: the bytes one rank sends per optimizer step for each stage.
 
-Formulas
-========
-P = number of parameters, L = parameters of the largest single module (its direct
-parameters: the layer ZeRO-3 gathers at once; from a bare count it is estimated by
-`estimate_largest_layer`), N = num_gpus_per_node * num_nodes,
-G = num_gpus_per_node, K = optimizer state bytes per parameter (Adam/AdamW 8: two fp32
-moments; Lion, Adagrad and SGD with momentum 4; plain SGD 0). T = trainable parameters
-(`requires_grad`): all of P unless given, or read from a model with frozen parameters (LoRA /
-PEFT adapters): gradients, fp32 masters, fp32 gradients and optimizer state exist for these
-only, so every "grad" and optimizer term below is times T, not P.
-
-Bytes per parameter, by precision:
-
-============  ======  =====  ===========  ==================
-precision     weight  grad   fp32 master  fp32 grad for step
-============  ======  =====  ===========  ==================
-bf16 / fp16   2       2      4            4
-fp32          4       4      4 (ZeRO>=1)  4 (ZeRO>=1)
-============  ======  =====  ===========  ==================
-
-Per accelerator, no offload:
-
-* ZeRO-0: weight*P + grad*P + (master + fp32 grad + K)*P   (fp32 ZeRO-0: 4P + 4P + K*P)
-* ZeRO-1: weight*P + grad*P + (master + fp32 grad + K)*P/N
-* ZeRO-2: weight*P + grad*P/N + (master + fp32 grad + K)*P/N
-* ZeRO-3: (weight + grad + master + fp32 grad + K)*P/N, plus (weight + grad)*L working memory
-  for the gathered largest layer and its gradient.
-
-Offload (ZeRO-1/2/3, `offload_optimizer="cpu"`): master weights, fp32 gradients and optimizer
-state move to host memory; gradients leave the accelerator as they are reduced, so the
-accelerator keeps the weights only (plus the ZeRO-3 working layer). `offload_params="cpu"`
-(ZeRO-3 only) also moves the weight partitions (weight*P/N) to the host. Host memory is per
-node: the sum over its G ranks, e.g. `(4 + 4 + K)*P/N * G` for the offloaded optimizer.
-
-Host memory also has a loading peak, before optimizer states exist: every rank materialises
-the full model in fp32 (4*P*G per node), except under ZeRO-3 with `zero_init` (zero.Init),
-where only the largest layer is whole at a time (4*L*G). The host total is the larger of
-the loading peak and the offloaded model states.
-
-Where this differs from DeepSpeed's estimators, and why
--------------------------------------------------------
-The base is DeepSpeed's `estimate_zero2_model_states_mem_needs` (accelerator:
-2P + 18P/N; offload: 2P on the accelerator, 16P on the host) and
-`estimate_zero3_model_states_mem_needs` (4L + 18P/N; offload optimizer: 4L + 2P/N on the
-accelerator, 16P/nodes on the host; offload both: 4L, 18P/nodes), which this module
-reproduces for bf16/fp16 Adam except:
-
-* ZeRO-3 without optimizer offload is 20P/N here, not 18P/N: DeepSpeed 0.19's stage-3
-  optimizer holds the 16-bit gradient partition *and* the fp32 gradient partition at the
-  optimizer step (measured: `tests/distributed/test_memory_real.py`).
-* DeepSpeed only covers 16-bit mixed precision with Adam and stages 2/3. This adds ZeRO-0
-  and ZeRO-1, fp32 training, and other optimizers. fp32 under ZeRO-1/2/3 still counts a
-  separate fp32 master partition and fp32 gradient partition: DeepSpeed's ZeRO optimizers
-  clone the partition even when the model is already fp32 (measured); plain fp32 ZeRO-0
-  uses the torch optimizer directly and has no copy.
-* DeepSpeed multiplies host memory by `additional_buffer_factor=1.5`; here the numbers are
-  the model states themselves and the margin is explicit (`recommend_config(headroom=...)`).
-* DeepSpeed's ZeRO-2 host figure ignores the number of nodes; here host memory is per node.
-* The estimate is an upper bound at the optimizer step: it counts the 16-bit gradient
-  partition and the fp32 gradient copy made from it as alive together, as DeepSpeed does
-  (they coexist while the copy is made; just before and after it, only one of them does).
-* ZeRO-1 counts full 16-bit gradients on every rank: with gradient accumulation ZeRO-1
-  keeps them until the boundary. With gradient_accumulation_steps=1 DeepSpeed reduces them
-  during backward and holds only a 2P/N partition, so the ZeRO-1 figure is then high by
-  2P - 2P/N.
-
-Measured against DeepSpeed 0.19.8 (2 CPU ranks, bf16, AdamW, 51M-parameter GPT-2, tensor
-storages reachable from the engine; `scripts/benchmarks/bench_memory.py`), bytes per parameter per
-rank, measured / estimated: ZeRO-0 20.0 / 20 (1.00), ZeRO-2 10.0 / 11 (0.91, the coexisting
-gradient copies above), ZeRO-3 10.08 / 10 (1.01, the extra is communication buffers).
-
-NVMe offload is not modelled (what stays in host memory then depends on the swap buffers).
+The formulas, where they differ from DeepSpeed's own estimators, and the measurements behind
+them are in docs/memory.md. In short, with P parameters, T trainable, L the largest layer and N
+ranks, bytes per accelerator for bf16 AdamW: ZeRO-0 20P; ZeRO-1 4P + 16T/N (T = P: 4P + 16P/N);
+ZeRO-2 2P + 2T/N + 16T/N; ZeRO-3 20P/N + 4L; offloading the optimizer moves the fp32 master,
+fp32 gradients and Adam state (16T/N per rank) to host memory.
 """
 
 from __future__ import annotations
@@ -88,13 +27,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Union, get_args
 
+from ds_engine import _model_shapes as _shapes
+from ds_engine._memory_peak import (
+    CUDA_ALLOCATOR_FRACTION,
+    CUDA_CONTEXT_BYTES,
+    PLAN_ORDER,
+    CommVolume,
+    LoraShape,
+    activation_bytes,
+    comm_volume,
+    device_memory,
+    framework_bytes,
+    offload_bytes,
+)
 from ds_engine._memory_types import (
     MemoryBreakdown,
     MemoryEstimate,
     OffloadDevice,
     OptimizerName,
+    PeakEstimate,
     Precision,
     Recommendation,
+    StagePlan,
     format_bytes,
     format_count,
 )
@@ -105,6 +59,8 @@ from ds_engine._model_shapes import (
     count_params,
     estimate_largest_layer,
     meta_model,
+    peak_model,
+    resolve_trainable_params,
 )
 from ds_engine._values import MAX_COUNT, parse_count, parse_size
 
@@ -192,90 +148,9 @@ def _check_setup_keywords(function: str, setup: Mapping[str, Any]) -> None:
 def resolve_num_params(
     model_or_num_params: ModelLike, largest_layer_params: int | None = None
 ) -> tuple[int, int]:
-    """Turn an int, `nn.Module`, HF config or model path into (num_params, largest_layer_params).
-
-    Args:
-        model_or_num_params: a parameter count, an `nn.Module`, a transformers
-            `PretrainedConfig`, or a path to an HF model folder / config JSON file.
-        largest_layer_params: overrides the derived largest layer. With an int count and no
-            value given, it is `estimate_largest_layer(count)` (usual transformer shapes).
-
-    Raises:
-        ValueError: a count that is not a positive integer, or an unsupported type.
-        FileNotFoundError: a path that does not exist.
-    """
-    if isinstance(model_or_num_params, bool):
-        raise ValueError(
-            f"`model_or_num_params` must be a positive int, an nn.Module, a PretrainedConfig or a path; "
-            f"got {model_or_num_params!r}. HINT: pass the parameter count, e.g. 1_300_000_000"
-        )
-    if isinstance(model_or_num_params, int):
-        num_params = model_or_num_params
-        largest = estimate_largest_layer(num_params) if num_params > 0 else num_params
-    elif isinstance(model_or_num_params, (str, os.PathLike)):
-        path = Path(model_or_num_params)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"`model` path {str(path)!r} does not exist. HINT: pass a local Hugging Face model folder "
-                "or config JSON file (nothing is downloaded), or a parameter count"
-            )
-        num_params, largest = count_params(meta_model(path, _limits()))
-    else:
-        import torch
-
-        if isinstance(model_or_num_params, torch.nn.Module):
-            num_params, largest = count_params(model_or_num_params)
-        elif hasattr(model_or_num_params, "to_dict") and hasattr(model_or_num_params, "model_type"):
-            num_params, largest = count_params(meta_model(model_or_num_params, _limits()))
-        else:
-            raise ValueError(
-                f"`model_or_num_params` has unsupported type {type(model_or_num_params).__name__}; allowed: "
-                "int, torch.nn.Module, transformers.PretrainedConfig, or a path to a model folder. "
-                "HINT: pass the parameter count"
-            )
-    if not 0 < num_params <= MAX_COUNTED_PARAMS:
-        raise ValueError(
-            f"`model_or_num_params` must be a positive parameter count of at most {MAX_COUNTED_PARAMS:.0e}, "
-            f"got {num_params}. HINT: pass the number of parameters, e.g. 1_300_000_000"
-        )
-    if largest_layer_params is not None:
-        if isinstance(largest_layer_params, bool) or not isinstance(largest_layer_params, int):
-            raise ValueError(
-                f"`largest_layer_params` must be an int, got {largest_layer_params!r}. "
-                "HINT: pass the parameter count of the largest layer, or leave it out"
-            )
-        if not 0 < largest_layer_params <= num_params:
-            raise ValueError(
-                f"`largest_layer_params`={largest_layer_params} must be in 1..{num_params} (the total). "
-                "HINT: pass the largest single layer's parameter count, or leave it out"
-            )
-        largest = largest_layer_params
-    return num_params, largest
-
-
-def resolve_trainable_params(
-    model_or_num_params: ModelLike, num_params: int, trainable_params: int | None
-) -> int:
-    """`trainable_params` checked, or counted from an `nn.Module` (its `requires_grad`
-    parameters, shared ones once), or all `num_params` for a count, config or path."""
-    if trainable_params is None:
-        import torch
-
-        if isinstance(model_or_num_params, torch.nn.Module):
-            unique = {id(p): p.numel() for p in model_or_num_params.parameters() if p.requires_grad}
-            return sum(unique.values())
-        return num_params
-    if isinstance(trainable_params, bool) or not isinstance(trainable_params, int):
-        raise ValueError(
-            f"`trainable_params` must be an int, got {trainable_params!r}. HINT: pass the number of "
-            "parameters with requires_grad (e.g. a LoRA adapter's), or leave it out"
-        )
-    if not 0 <= trainable_params <= num_params:
-        raise ValueError(
-            f"`trainable_params`={trainable_params} must be in 0..{num_params} (the total). HINT: pass "
-            "the number of parameters with requires_grad, or leave it out"
-        )
-    return trainable_params
+    """Turn an int, `nn.Module`, HF config or model path into (num_params, largest_layer_params),
+    within this module's `MAX_*` bounds (`_model_shapes.resolve_num_params` says how)."""
+    return _shapes.resolve_num_params(model_or_num_params, largest_layer_params, _limits())
 
 
 # --------------------------------------------------------------------------- estimate
@@ -533,6 +408,251 @@ def recommend_config(
     )
 
 
+# --------------------------------------------------------------------------- the whole peak
+def estimate_peak(
+    model: ModelLike,
+    *,
+    zero_stage: int,
+    micro_batch: int,
+    seq_len: int,
+    world_size: int = 1,
+    gpus_per_node: int | None = None,
+    offload_optimizer: OffloadDevice = "none",
+    offload_params: OffloadDevice = "none",
+    lora: LoraShape | None = None,
+    activation_checkpointing: bool = False,
+    precision: Precision = "bf16",
+    optimizer: OptimizerName = "adamw",
+    causal_lm: bool | None = None,
+    device: str = "cuda",
+    largest_layer_params: int | None = None,
+    reduce_bucket_size: int | None = None,
+    stage3_max_live_parameters: int = 10**9,
+    zero_init: bool = True,
+) -> PeakEstimate:
+    """The whole per-rank peak memory of a training step, term by term (formulas: docs/memory.md).
+
+    Args:
+        model: a parameter count, an `nn.Module` (a peft model too), a transformers
+            `PretrainedConfig`, or a local model folder / config.json. The activations come
+            from its config (layers, hidden, heads, intermediate size, vocabulary); for a bare
+            count from the usual shapes (`shape_from_count`, marked `assumed`).
+        zero_stage: 0-3. micro_batch, seq_len: sequences per rank per micro-step, their tokens.
+        world_size: data-parallel ranks; gpus_per_node: ranks per node (default: one node).
+        offload_optimizer, offload_params: "none" or "cpu", as for `estimate_memory`.
+        lora: LoRA adapters added to a config or count (`LoraShape(rank=16, targets=(...))`):
+            their parameters are the trainable ones. A peft model is read as it is.
+        activation_checkpointing: layers recompute their activations in backward.
+        precision, optimizer, largest_layer_params, zero_init: as for `estimate_memory`.
+        causal_lm: the loss is over a vocabulary (logits term); default: read from the model.
+        device: "cuda" (accelerator and host apart; adds the CUDA context and allocator slack)
+            or "cpu" (one memory: `per_rank_total` adds the host share to the accelerator's).
+        reduce_bucket_size: gradient bucket elements (default: hidden size squared, as the
+            Engine's "auto"). stage3_max_live_parameters: most weights ZeRO-3 keeps gathered.
+
+    Raises: ValueError for an argument outside what is allowed (the message names it).
+    """
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("world_size", world_size)):
+        _check_positive_int(name, value)
+    gpn = world_size if gpus_per_node is None else gpus_per_node
+    _check_positive_int("gpus_per_node", gpn)
+    if world_size % gpn:
+        raise ValueError(
+            f"`world_size`={world_size} is not a multiple of `gpus_per_node`={gpn}. "
+            "HINT: world_size = gpus_per_node * nodes"
+        )
+    _check_choice("device", device, ("cuda", "cpu"), "HINT: device='cuda' for GPUs")
+    counted = peak_model(model, lora, largest_layer_params, _limits())
+    num_params, largest, trainable, adapter, shape, lora = counted[:6]
+    states = estimate_memory(
+        num_params,
+        largest_layer_params=largest,
+        num_gpus_per_node=gpn,
+        num_nodes=world_size // gpn,
+        zero_stage=zero_stage,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        precision=precision,
+        optimizer=optimizer,
+        zero_init=zero_init,
+        trainable_params=trainable,
+    )
+    weight = 4 if precision == "fp32" else 2
+    acts = activation_bytes(
+        shape,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        checkpointing=activation_checkpointing,
+        causal_lm=counted[6] if causal_lm is None else causal_lm,
+        weight_bytes=weight,
+        lora=lora,
+    )
+    bucket = shape.hidden**2 if reduce_bucket_size is None else reduce_bucket_size
+    buckets = (
+        0 if zero_stage == 0 else bucket * weight + (int(0.9 * bucket) * weight if zero_stage == 3 else 0)
+    )
+    live = weight * max(0, min(num_params, stage3_max_live_parameters) - largest) if zero_stage == 3 else 0
+    offloaded = offload_optimizer != "none"
+    embedding = shape.vocab * shape.hidden  # its fp32 gradient accumulation, when it trains
+    overhead = framework_bytes(zero_stage, num_params, trainable, embedding if trainable > adapter else 0)
+    per_param = OPTIMIZER_STATE_BYTES[optimizer] + 8 + 2 * weight
+    if device == "cuda":
+        tensors = states.accelerator.total + acts["layers"] + acts["lora"] + acts["logits"] + live + buckets
+        overhead += CUDA_CONTEXT_BYTES + math.ceil(CUDA_ALLOCATOR_FRACTION * tensors)
+    return PeakEstimate(
+        states=states,
+        activations=acts["layers"] + acts["lora"],
+        logits=acts["logits"],
+        live_params=live,
+        buckets=buckets,
+        lora=adapter * per_param,
+        offload_buffers=offload_bytes(zero_stage, trainable) if offloaded else 0,
+        overhead=overhead,
+        device=device,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
+def choose_zero_stage(
+    model: ModelLike,
+    *,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    budget_bytes: int | None = None,
+    margin: float = 0.1,
+    **options: Any,
+) -> StagePlan:
+    """The ZeRO stage/offload with the least communication whose whole peak fits the budget.
+
+    Set-ups are tried in `PLAN_ORDER`: ZeRO-0 < 1 < 2 < 3 < 3 + optimizer offload < 3 + optimizer
+    and parameter offload (each later one communicates more or moves work to the CPU). One fits
+    when `estimate_peak(...).accelerator_total * (1 + margin)` is at most `budget_bytes`.
+
+    Args:
+        model: the user's model object (an `nn.Module`, peft model), config, folder or count.
+        world_size: data-parallel ranks.
+        micro_batch, seq_len: the micro batch per rank and its sequence length.
+        budget_bytes: memory per accelerator; default: the CUDA device's total memory.
+        margin: fraction kept free (0.1 = 10 %).
+        **options: passed to `estimate_peak` (gpus_per_node, lora, activation_checkpointing,
+            precision, optimizer, device, ...).
+
+    Returns: a `StagePlan`: the choice, the runner-up, one log line and every candidate.
+
+    Raises:
+        ValueError: bad arguments, or nothing fits: the message names the smallest need and what
+            would fit (a budget, activation checkpointing, a smaller micro batch, more ranks).
+    """
+    budget = device_memory() if budget_bytes is None else budget_bytes
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ValueError(
+            f"`budget_bytes` must be a positive number of bytes, got {budget!r}. HINT: e.g. 80e9"
+        )
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10:
+        raise ValueError(f"`margin` must be a fraction >= 0, got {margin!r}. HINT: margin=0.1 (10 %)")
+    common = dict(world_size=world_size, micro_batch=micro_batch, seq_len=seq_len, **options)
+    if isinstance(model, (str, os.PathLike)):
+        model = meta_model(Path(model), _limits()) if Path(model).exists() else model
+    candidates = tuple(
+        estimate_peak(model, zero_stage=st, offload_optimizer=oo, offload_params=op, **common)
+        for st, oo, op in PLAN_ORDER
+    )
+    factor = 1 + margin
+    fitting = [c for c in candidates if c.accelerator_total * factor <= budget]
+    if not fitting:
+        raise ValueError(_nothing_fits(model, candidates, budget, margin, common))
+    choice = fitting[0]
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    skipped = candidates[: candidates.index(choice)]
+    line = (
+        f"{choice.states.label}: peak {format_bytes(choice.accelerator_total)} per accelerator fits "
+        f"{format_bytes(budget)} with a {margin:.0%} margin (least communication that fits"
+        + (
+            f"; {skipped[-1].states.label} needs {format_bytes(skipped[-1].accelerator_total)}"
+            if skipped
+            else ""
+        )
+        + (f"; runner-up {runner_up.states.label}" if runner_up else "")
+        + ")"
+    )
+    return StagePlan(
+        choice=choice,
+        runner_up=runner_up,
+        budget_bytes=int(budget),
+        margin=float(margin),
+        log_line=line,
+        candidates=candidates,
+    )
+
+
+def _nothing_fits(
+    model: ModelLike, candidates: tuple[PeakEstimate, ...], budget: float, margin: float, common: dict
+) -> str:
+    """Why no set-up fits, and what would: a budget, checkpointing, micro batch 1, more ranks."""
+    best = min(candidates, key=lambda c: c.accelerator_total)
+    ideas = [f"a budget of {format_bytes(best.accelerator_total * (1 + margin))}"]
+    world = common["world_size"]
+    for change, text in (
+        ({"activation_checkpointing": True}, "activation_checkpointing=True"),
+        ({"micro_batch": 1}, "micro_batch=1"),
+        ({"world_size": world * 8, "gpus_per_node": common.get("gpus_per_node")}, f"world_size={world * 8}"),
+    ):
+        if all(common.get(k) == v for k, v in change.items()):
+            continue
+        tried = estimate_peak(
+            model, zero_stage=3, offload_optimizer="cpu", offload_params="cpu", **{**common, **change}
+        )
+        if tried.accelerator_total * (1 + margin) <= budget:
+            ideas.append(text)
+    return (
+        f"no ZeRO stage/offload fits {format_bytes(budget)} per accelerator with a {margin:.0%} margin at "
+        f"micro_batch={common['micro_batch']}, seq_len={common['seq_len']}, world_size={world}: the "
+        f"smallest peak is {best.states.label} at {format_bytes(best.accelerator_total)}. "
+        "HINT: what would fit: " + " or ".join(ideas)
+    )
+
+
+def communication_per_step(
+    model: ModelLike,
+    *,
+    world_size: int,
+    gradient_accumulation_steps: int = 1,
+    coalesce: bool = False,
+    precision: Precision = "bf16",
+    trainable_params: int | None = None,
+    stage3_max_live_parameters: int = 10**9,
+) -> dict[int, CommVolume]:
+    """Bytes one rank sends per optimizer step for ZeRO-0/1/2/3 (ring algorithms; docs/memory.md).
+
+    ZeRO-3 gathers the weights again in backward when the model is larger than
+    `stage3_max_live_parameters` (DeepSpeed keeps them gathered otherwise).
+    `coalesce`: one gradient reduction per optimizer step under gradient accumulation
+    (DeepSpeed's `coalesce_grad_reduction`) instead of one per micro-step for ZeRO-2/3.
+    """
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    num_params, _ = resolve_num_params(model)
+    trainable = resolve_trainable_params(model, num_params, trainable_params)
+    weight = 4 if precision == "fp32" else 2
+    return {
+        stage: comm_volume(
+            zero_stage=stage,
+            num_params=num_params,
+            trainable_params=trainable,
+            world_size=world_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            coalesce=coalesce,
+            weight_bytes=weight,
+            grad_bytes=weight,
+            regather_in_backward=num_params > stage3_max_live_parameters,
+        )
+        for stage in (0, 1, 2, 3)
+    }
+
+
 __all__ = [
     "ASSUMED_HIDDEN_PER_LAYER",
     "ASSUMED_VOCAB",
@@ -544,18 +664,26 @@ __all__ = [
     "MAX_MODULES",
     "MAX_REAL_BYTES",
     "OPTIMIZER_STATE_BYTES",
+    "PLAN_ORDER",
+    "CommVolume",
+    "LoraShape",
     "MemoryBreakdown",
     "MemoryEstimate",
     "ModelLike",
     "OffloadDevice",
     "OptimizerName",
+    "PeakEstimate",
     "Precision",
     "Recommendation",
     "SetupChoices",
+    "StagePlan",
+    "choose_zero_stage",
+    "communication_per_step",
     "count_params",
     "estimate_all",
     "estimate_largest_layer",
     "estimate_memory",
+    "estimate_peak",
     "fits",
     "format_bytes",
     "format_count",
