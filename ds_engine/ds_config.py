@@ -211,6 +211,7 @@ def build_ds_config(
     dataloader: Any = None,
     optimizer: Any = None,
     resolve: bool = True,
+    inference_only: bool = False,
 ) -> dict[str, Any]:
     """Turn high-level choices (plus an optional DeepSpeed JSON base) into a DeepSpeed config.
 
@@ -230,6 +231,8 @@ def build_ds_config(
         resolve: False leaves adaptive values as "auto" and omits unchosen ones (how the
             presets are made); no facts are needed then, and "auto" values and missing batch
             sizes are not problems.
+        inference_only: The JSON of a model prepared without an optimizer (a frozen teacher or
+            reference model), as `prepare(model)` alone runs it (`fit_inference_only`).
 
     Returns:
         The DeepSpeed config dict (JSON-serializable, integers where DeepSpeed wants them).
@@ -274,6 +277,7 @@ def build_ds_config(
         dataloader=dataloader,
         optimizer=optimizer,
         preset=not resolve,
+        inference_only=inference_only,
     )
 
 
@@ -287,8 +291,12 @@ def render_ds_config(
     dataloader: Any = None,
     optimizer: Any = None,
     preset: bool = False,
+    inference_only: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON of a resolved config and the run's facts; never resolves again.
+
+    This is the one place the JSON DeepSpeed runs with is made: `ds-engine config` prints it and
+    `prepare` passes it to `deepspeed.initialize` unchanged.
 
     Args:
         resolved: The run's resolution (`config.resolve_config`): the effective choices are
@@ -303,6 +311,8 @@ def render_ds_config(
         optimizer: A torch optimizer; its first param group fills "auto" optimizer params.
         preset: Leave adaptive values as "auto" and omit unchosen ones (how the presets are
             made); no facts are needed then.
+        inference_only: The model is prepared without an optimizer (a frozen teacher or a
+            reference model): see `fit_inference_only`.
 
     Returns:
         The DeepSpeed config dict (JSON-serializable, integers where DeepSpeed wants them).
@@ -359,9 +369,54 @@ def render_ds_config(
         if zero.get(key) == AUTO:
             zero[key] = value
     _fill_optimizer_autos(out, optimizer)
+    if inference_only:
+        fit_inference_only(out)
+    elif defers_reduction_to_step(out, coalesce=cfg.coalesce_grad_reduction):
+        out["managed_gradient_accumulation"] = False
     problems += [leftover_problem(k) for k in leftover_autos(out)]
     raise_problems(problems, validate_ds_config(out, world_size=world_size), pending)
     return out
+
+
+def fit_inference_only(ds_config: dict[str, Any]) -> None:
+    """Fit the JSON of a model prepared without an optimizer (inference only), in place.
+
+    ZeRO-3 keeps its stage: parameters stay partitioned and are gathered layer by layer for the
+    forward (DeepSpeed's optimizer-less `DeepSpeedZeRoOffload`). ZeRO-1/2 shard only optimizer
+    states and gradients, which such a model does not have, and DeepSpeed refuses them without
+    an optimizer: they run as ZeRO-0 (replicated weights), as TRL prepares its reference model.
+    Scheduler settings have nothing to act on.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) in (1, 2):
+        ds_config["zero_optimization"] = {"stage": 0}
+    ds_config.pop("scheduler", None)
+
+
+def defers_reduction_to_step(ds_config: Mapping[str, Any], *, coalesce: bool) -> bool:
+    """Whether DeepSpeed must run with `managed_gradient_accumulation: false` (step() is the boundary).
+
+    At GA=1 the user may accumulate by hand (`loss / gas`, `step()` every gas micro-steps). With
+    DeepSpeed's own boundary every backward is a boundary, and ZeRO-1/2 then keep only the last
+    backward's gradients; in the unmanaged mode `backward` only accumulates and `step()` reduces
+    (ZeRO-1) or finalizes what each backward reduced (ZeRO-2), so the applied gradient is the sum
+    of every backward since the last step, as in plain torch. The canonical one-backward-per-step
+    loop does the same reductions either way. ZeRO-0 and ZeRO-3 already add up across boundaries
+    (ZeRO-0 averages in place, ZeRO-3 accumulates its gradient partitions until `step()`) and stay
+    managed; so does ZeRO-1 with `overlap_comm` (DeepSpeed refuses it unmanaged) and coalesced
+    reduction (`coalesce`, which needs the managed mode). A value in the user's JSON is kept as
+    written.
+    """
+    if "managed_gradient_accumulation" in ds_config:
+        return not bool(ds_config["managed_gradient_accumulation"])
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    return (
+        int(ds_config.get("gradient_accumulation_steps", 1)) == 1
+        and stage in (1, 2)
+        and not (stage == 1 and zero.get("overlap_comm"))
+        and not coalesce
+    )
 
 
 def _render(cfg: EngineConfig, base: Mapping[str, Any], *, preset: bool) -> dict[str, Any]:

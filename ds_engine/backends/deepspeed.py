@@ -186,9 +186,8 @@ class DeepSpeedBackend(Backend):
             model=model,
             dataloader=dataloader,
             optimizer=optimizer,
+            inference_only=inference_only,
         )
-        if inference_only:
-            self._inference_only_config(ds_config)
         optimizer = self._maybe_offload_optimizer(optimizer, ds_config, scheduler)
         if optimizer is not None and "optimizer" in ds_config:
             raise ConfigError(
@@ -197,9 +196,8 @@ class DeepSpeedBackend(Backend):
                 "silently. "
                 "HINT: remove one of them."
             )
-        self._unmanaged = self._defer_reduction_to_step(ds_config)
-        if self._unmanaged and "managed_gradient_accumulation" not in ds_config:
-            ds_config["managed_gradient_accumulation"] = False
+        # the rendered JSON decided it (`ds_config.defers_reduction_to_step`): step() is the boundary
+        self._unmanaged = not ds_config.get("managed_gradient_accumulation", True)
         params = None
         if optimizer is None:  # the config's optimizer trains these
             given = facts.get("model_parameters")
@@ -217,46 +215,6 @@ class DeepSpeedBackend(Backend):
         if inference_only:
             return engine, None, None
         return engine, ds_optimizer, ds_scheduler
-
-    @staticmethod
-    def _inference_only_config(ds_config: dict[str, Any]) -> None:
-        """Fit the rendered JSON of a model prepared without an optimizer (inference only).
-
-        ZeRO-3 keeps its stage: parameters stay partitioned and are gathered layer by layer
-        for the forward (DeepSpeed's optimizer-less `DeepSpeedZeRoOffload`). ZeRO-1/2 shard
-        only optimizer states and gradients, which such a model does not have, and DeepSpeed
-        refuses them without an optimizer: they run as ZeRO-0 (replicated weights), as TRL
-        prepares its reference model. Scheduler and clipping settings have nothing to act on.
-        """
-        zero = ds_config.get("zero_optimization") or {}
-        if int(zero.get("stage", 0)) in (1, 2):
-            ds_config["zero_optimization"] = {"stage": 0}
-        ds_config.pop("scheduler", None)
-
-    def _defer_reduction_to_step(self, ds_config: dict[str, Any]) -> bool:
-        """Whether DeepSpeed runs with `managed_gradient_accumulation: false` (step() is the boundary).
-
-        At GA=1 the user may accumulate by hand (`loss / gas`, `step()` every gas micro-steps).
-        With DeepSpeed's own boundary every backward is a boundary, and ZeRO-1/2 then keep only
-        the last backward's gradients; in the unmanaged mode `backward` only accumulates and
-        `step()` reduces (ZeRO-1) or finalizes what each backward reduced (ZeRO-2), so the
-        applied gradient is the sum of every backward since the last step, as in plain torch.
-        The canonical one-backward-per-step loop does the same reductions either way. ZeRO-0
-        and ZeRO-3 already add up across boundaries (ZeRO-0 averages in place, ZeRO-3
-        accumulates its gradient partitions until `step()`) and stay managed; so does ZeRO-1
-        with `overlap_comm` (DeepSpeed refuses it unmanaged) and coalesced reduction (which
-        needs the managed mode). A value in the user's JSON is kept as written.
-        """
-        if "managed_gradient_accumulation" in ds_config:
-            return not bool(ds_config["managed_gradient_accumulation"])
-        zero = ds_config.get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0))
-        return (
-            int(ds_config.get("gradient_accumulation_steps", 1)) == 1
-            and stage in (1, 2)
-            and not (stage == 1 and zero.get("overlap_comm"))
-            and not self.effective.coalesce_grad_reduction
-        )
 
     def user_accumulation_problem(self) -> str:
         if self._unmanaged or self.ds_engine is None:
