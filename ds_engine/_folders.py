@@ -39,6 +39,7 @@ import stat
 from pathlib import Path
 
 from ds_engine._io import fsync_dir, fsync_file, publish, tmp_sibling, write_failure
+from ds_engine._values import read_regular as _read_regular
 from ds_engine.safety import UnsafeCheckpointError
 
 __all__ = ["ADAPTER_WEIGHTS", "MODEL_WEIGHTS", "STAGING_PREFIX", "Staging", "read_regular"]
@@ -142,6 +143,7 @@ def _unused(path: Path) -> Path:
 
 
 def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder` (the staged save, before it is published)."""
     for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink():
             fsync_file(path)
@@ -246,7 +248,7 @@ def _merge(new: Path, target: Path, aside: Path, weights: re.Pattern[str]) -> No
 
 def read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
     """The bytes of `path`, a regular file of at most `limit` bytes, read without following a
-    symbolic link or blocking on a FIFO.
+    symbolic link or blocking on a FIFO (`_values.read_regular` with the folders' words).
 
     Raises:
         UnsafeCheckpointError: `path` is a symbolic link, a FIFO, a socket or a device (named).
@@ -254,36 +256,16 @@ def read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
         FileNotFoundError, IsADirectoryError, PermissionError: as `open` would.
     """
     name = str(path)
-    if os.path.islink(name):
-        raise _refusal(name, "a symbolic link", what, hint)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    flags |= getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(name, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link that appeared after the check above
-            raise _refusal(name, "a symbolic link", what, hint) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode) else "a socket or device"
-            raise _refusal(name, kind, what, hint)
-        chunks = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise ValueError(f"{name!r} is larger than {limit} bytes, the most {what} may hold. HINT: {hint}.")
-    return b"".join(chunks)
+
+    def refuse(kind: str) -> UnsafeCheckpointError:
+        if kind not in ("a symbolic link", "a FIFO (named pipe)"):
+            kind = "a socket or device"
+        return _refusal(name, kind, what, hint)
+
+    def too_large(size: int) -> ValueError:
+        return ValueError(f"{name!r} is larger than {limit} bytes, the most {what} may hold. HINT: {hint}.")
+
+    return _read_regular(name, limit, refuse=refuse, too_large=too_large)
 
 
 def _refusal(name: str, kind: str, what: str, hint: str) -> UnsafeCheckpointError:

@@ -5,6 +5,7 @@ The bottom of the package: imports nothing from ds_engine, so any module may use
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -12,7 +13,18 @@ import stat
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-__all__ = ["AUTO", "env_int", "no_duplicate_keys", "parse_count", "parse_size", "read_regular_file", "words"]
+__all__ = [
+    "AUTO",
+    "env_int",
+    "file_kind",
+    "no_duplicate_keys",
+    "open_regular",
+    "parse_count",
+    "parse_size",
+    "read_regular",
+    "read_regular_file",
+    "words",
+]
 
 #: DeepSpeed's word for "fill this value in from the facts" (and ds_engine's, for the same).
 AUTO = "auto"
@@ -169,25 +181,113 @@ def env_int(name: str, default: int, *, minimum: int = 0, environ: Mapping[str, 
     return value
 
 
-def read_regular_file(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
-    """The bytes of `path`, which must be a regular file of at most `limit` bytes.
+#: The words a refusal uses for what a path is, by its mode (the first test that holds).
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
 
-    Opened without blocking (a FIFO never stalls the caller) and checked on the open
-    descriptor: a FIFO, device or folder, or a file over `limit` (e.g. `/dev/zero`, or a
-    multi-GB file given by mistake) is a ValueError naming `what`, the limit and `hint`.
-    FileNotFoundError propagates for the caller to word.
+
+def file_kind(mode: int) -> str:
+    """What a file of `mode` is, in the words refusals use ("a FIFO (named pipe)", "a folder", ...)."""
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(
+    path: str | os.PathLike[str], *, follow_links: bool, refuse: Callable[[str], Exception]
+) -> tuple[int, os.stat_result]:
+    """An open read-only descriptor of `path` and its stat, when `path` is a regular file.
+
+    Opened without blocking (a FIFO opens at once and is then refused, never read) and checked
+    on the open descriptor, so nothing swapped in after a check is read. With
+    `follow_links=False` a final symbolic link is refused too, also one that appears between
+    the check and the open. The caller closes the descriptor.
+
+    Raises:
+        Exception: `refuse(kind)` for a symbolic link (when not followed), a FIFO, socket or
+            device; `kind` is `file_kind`'s words ("a symbolic link", "a FIFO (named pipe)", ...).
+        IsADirectoryError: `path` is a folder.
+        FileNotFoundError, PermissionError, OSError: as `os.open` raises them.
     """
+    name = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        if os.path.islink(name):
+            raise refuse("a symbolic link")
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(name, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:  # a link that appeared after the check
+            raise refuse("a symbolic link") from None
+        raise
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return fd, info
+    os.close(fd)
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+    raise refuse(file_kind(info.st_mode))
+
+
+def read_regular(
+    path: str | os.PathLike[str],
+    limit: int,
+    *,
+    follow_links: bool = False,
+    refuse: Callable[[str], Exception],
+    too_large: Callable[[int], Exception],
+) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes (opened as `open_regular` does).
+
+    The one bounded reader of the package: at most `limit + 1` bytes are ever read, so a file
+    that grows, or one whose stat lies (`/proc`), still stops at the bound.
+
+    Raises:
+        Exception: `refuse(kind)` as in `open_regular`; `too_large(size)` when the file holds
+            more than `limit` bytes (`size`: its stat size, or the bytes read when larger).
+        IsADirectoryError, FileNotFoundError, PermissionError, OSError: as `open_regular`.
+    """
+    fd, info = open_regular(path, follow_links=follow_links, refuse=refuse)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise too_large(max(size, info.st_size))
+    return b"".join(chunks)
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int, what: str, hint: str) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes (links followed).
+
+    `read_regular` with the config readers' words: a FIFO, device or folder, or a file over
+    `limit` (e.g. `/dev/zero`, or a multi-GB file given by mistake) is a ValueError naming
+    `what`, the limit and `hint`. FileNotFoundError propagates for the caller to word.
+    """
+
+    def not_regular(kind: str) -> ValueError:
+        return ValueError(f"{what} is not a regular file (a folder, FIFO or device). HINT: {hint}")
+
+    def too_large(size: int) -> ValueError:
+        return ValueError(f"{what} is larger than {limit} bytes, the most read. HINT: {hint}")
+
+    try:
+        return read_regular(path, limit, follow_links=True, refuse=not_regular, too_large=too_large)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(path) from None
+    except IsADirectoryError:
+        raise not_regular("a folder") from None
     except OSError as exc:
         raise ValueError(f"{what} cannot be opened ({exc.strerror}). HINT: {hint}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"{what} is not a regular file (a folder, FIFO or device). HINT: {hint}")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{what} is larger than {limit} bytes, the most read. HINT: {hint}")
-    return data

@@ -27,7 +27,6 @@ bounded, regular `latest` file) into a plain name of a real sub-folder, never a 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import importlib
 import json
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ds_engine._values import file_kind, open_regular, read_regular
 
 # The objects DeepSpeed 0.19 pickles into its checkpoints beyond tensors and containers, as
 # `torch.serialization.get_unsafe_globals_in_checkpoint` lists them for real ZeRO-0/1/2/3
@@ -109,18 +110,6 @@ _JSON_MAX_BYTES = 1024**2
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def _kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISLNK, "a symbolic link"),
-    )
-    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
-
-
 def _link_refusal(name: str, what: str = "checkpoint files") -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"refusing to read `{name}`: it is a symbolic link; {what} are read only as regular files "
@@ -135,28 +124,22 @@ def _open_regular(path: str | os.PathLike[str], what: str = "checkpoint files") 
     Opened without following a final symbolic link and without blocking (a FIFO opens at once
     and is then refused), so neither a link nor a special file is ever read from.
     """
-    name = os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    flags |= getattr(os, "O_CLOEXEC", 0)
-    if os.path.islink(name):
-        raise _link_refusal(name, what)
-    try:
-        fd = os.open(name, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link (it appeared after the check above)
-            raise _link_refusal(name, what) from None
-        raise
-    info = os.fstat(fd)
-    if stat.S_ISREG(info.st_mode):
-        return fd, info
-    os.close(fd)
-    if stat.S_ISDIR(info.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
-    raise UnsafeCheckpointError(
-        f"refusing to read `{name}`: it is {_kind(info.st_mode)}, not a regular file; {what} are read "
-        "only as regular files (reading a FIFO or a device can block forever or never end). HINT: "
-        "remove it, or put the real file in its place."
-    )
+    return open_regular(path, follow_links=False, refuse=_not_regular(os.fspath(path), what))
+
+
+def _not_regular(name: str, what: str) -> Callable[[str], UnsafeCheckpointError]:
+    """The refusal of `name` by its kind (`open_regular`'s `refuse`)."""
+
+    def refuse(kind: str) -> UnsafeCheckpointError:
+        if kind == "a symbolic link":
+            return _link_refusal(name, what)
+        return UnsafeCheckpointError(
+            f"refusing to read `{name}`: it is {kind}, not a regular file; {what} are read only as "
+            "regular files (reading a FIFO or a device can block forever or never end). HINT: "
+            "remove it, or put the real file in its place."
+        )
+
+    return refuse
 
 
 def check_regular_file(path: str | os.PathLike[str], what: str = "checkpoint files") -> os.stat_result:
@@ -423,23 +406,21 @@ def restricted_torch_load(safe_globals: Sequence[Any] = ()) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- checkpoint folders
 def _read_small(path: Path, limit: int, what: str) -> bytes:
+    def too_large(size: int) -> ValueError:
+        return ValueError(
+            f"{str(path)!r} is {_size(size)}, more than the {_size(limit)} {what} may hold. HINT: "
+            "the file is not the one ds_engine or DeepSpeed wrote; restore it, or load another tag."
+        )
+
     try:
-        fd, info = _open_regular(path)
+        return read_regular(
+            path, limit, refuse=_not_regular(str(path), "checkpoint files"), too_large=too_large
+        )
     except IsADirectoryError:
         raise ValueError(
             f"{str(path)!r} is a folder; allowed: {what} (a small regular file). HINT: the folder is "
             "not the one ds_engine or DeepSpeed wrote; restore it, or load another tag."
         ) from None
-    try:
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(
-            f"{str(path)!r} is {_size(info.st_size)}, more than the {_size(limit)} {what} may hold. HINT: "
-            "the file is not the one ds_engine or DeepSpeed wrote; restore it, or load another tag."
-        )
-    return data
 
 
 def read_json_bounded(path: Path, hint: str) -> Any:
@@ -522,7 +503,7 @@ def confined_tag(
         )
     if not stat.S_ISDIR(mode):
         raise FileNotFoundError(
-            f"tag {tag!r}{named}: {str(folder)!r} is {'a file' if stat.S_ISREG(mode) else _kind(mode)}, "
+            f"tag {tag!r}{named}: {str(folder)!r} is {'a file' if stat.S_ISREG(mode) else file_kind(mode)}, "
             f"not a tag folder; tags found: {tags()}. HINT: pass one of them "
             f"with {flag}."
         )
