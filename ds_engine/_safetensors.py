@@ -79,6 +79,8 @@ class SafetensorsFile:
         header: dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = {key: str(metadata[key]) for key in sorted(metadata)}
+        #: The names in the order of their bytes in the file: writing in this order is sequential.
+        self.order = [name for name, _, _ in entries]
         self._slots: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
         self._filled: dict[str, int] = {}  # bytes written so far by `write_part`
         offset = 0
@@ -160,8 +162,9 @@ class SafetensorsFile:
             flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             self._pwrite(flat.numpy(), position)
 
-    def close(self) -> None:
-        """fsync and close; raises when a tensor of the layout was never written."""
+    def close(self, *, sync: bool = True) -> None:
+        """fsync (unless `sync=False`: the caller fsyncs the file later) and close; raises when a
+        tensor of the layout was never written."""
         if self._fd is None:
             return
         if self._slots:
@@ -169,7 +172,8 @@ class SafetensorsFile:
             self.abort()
             raise RuntimeError(f"{str(self.path)!r}: tensors never written: {missing[:5]}")
         try:
-            os.fsync(self._fd)
+            if sync:
+                os.fsync(self._fd)
         finally:
             self.abort()
 
@@ -186,8 +190,8 @@ def save_file(
     """`safetensors.torch.save_file` (same bytes, fsynced) without a second copy of the tensors."""
     out = SafetensorsFile(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
     try:
-        for key, tensor in tensors.items():
-            out.write(key, tensor)
+        for key in out.order:
+            out.write(key, tensors[key])
         out.close()
     finally:
         out.abort()

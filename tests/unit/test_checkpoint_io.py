@@ -202,7 +202,8 @@ def test_fused_experts_are_split_back_as_transformers_splits_them(tmp_path):
     """Mixtral's experts are fused on load and split on save: a converter, whole dict."""
     from transformers import MixtralForCausalLM
 
-    from ds_engine.weights import WeightGather, _saved_names, plan
+    from ds_engine._weight_names import saved_names as _saved_names
+    from ds_engine.weights import WeightGather, plan
 
     torch.manual_seed(4)
     model = MixtralForCausalLM(tiny_mixtral_config())
