@@ -208,7 +208,8 @@ def map_arguments(
                 "ds_engine.Accelerator: `deepspeed_plugin` and `config` both give a DeepSpeed config. "
                 "HINT: pass one."
             )
-        config = ds_config_from_plugin(plugin)
+        given = "deepspeed_plugin" if deepspeed_plugin is not None else "deepspeed_plugins"
+        config = ds_config_from_plugin(plugin, argument=given)
     return EngineSetup(
         config=config,
         choices={**mapped, **(choices or {})},
@@ -235,13 +236,12 @@ def _check_dataloader_config(loaders: DataLoaderConfiguration, split_batches: An
     return loaders
 
 
-def ds_config_from_plugin(plugin: Any) -> dict[str, Any]:
-    """A DeepSpeedPlugin's JSON, minus what accelerate adds that DeepSpeed reads as a default."""
+def ds_config_from_plugin(plugin: Any, argument: str = "deepspeed_plugin") -> dict[str, Any]:
+    """A DeepSpeedPlugin's JSON (or the one plugin of a dict, `argument` names it in the error), minus
+    what accelerate adds that DeepSpeed reads as a default."""
     if isinstance(plugin, Mapping):
         if len(plugin) != 1:
-            raise unsupported(
-                "deepspeed_plugin", f"{{{', '.join(map(repr, plugin))}}}", "pass one DeepSpeedPlugin"
-            )
+            raise unsupported(argument, f"{{{', '.join(map(repr, plugin))}}}", "pass one DeepSpeedPlugin")
         plugin = next(iter(plugin.values()))
     config = dict(getattr(plugin, "deepspeed_config", None) or {})
     steps = config.get("steps_per_print")

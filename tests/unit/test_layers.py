@@ -118,3 +118,64 @@ def test_the_public_names_stay_where_they_were():
         assert hasattr(ds_config, name), name
     for name in ds_engine.__all__:
         assert getattr(ds_engine, name) is not None, name
+
+
+# ---------------------------------------------------------------- the accelerate surface
+#: `ds_engine/accelerate_compat/`, bottom first: each module imports only the package's modules
+#: before it and the ds_engine modules named beside it; `ds_engine/accelerator.py` re-exports it.
+ACCELERATE_COMPAT = {
+    "compat": set(),
+    "constructor": set(),
+    "trackers": {"tracking"},
+    "state_folders": {"autosave", "checkpoint"},
+    "views": {"engine"},
+    "accelerator": {"engine", "dataloader", "scheduler", "collectives", "config", "autosave"},
+}
+ACCELERATE_COMPAT_DIR = PACKAGE / "accelerate_compat"
+
+
+def _accelerate_compat_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(package modules, other ds_engine modules) `path` imports, anywhere in the file."""
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "ds_engine" or len(parts) < 2:
+                continue
+            if parts[1] == "accelerate_compat":
+                if len(parts) > 2 and (ACCELERATE_COMPAT_DIR / f"{parts[2]}.py").exists():
+                    inside.add(parts[2])
+            elif (PACKAGE / f"{parts[1]}.py").exists() or (PACKAGE / parts[1]).is_dir():
+                outside.add(parts[1])
+    return inside, outside
+
+
+def test_accelerate_compat_modules_import_only_modules_below_them():
+    present = {p.stem for p in ACCELERATE_COMPAT_DIR.glob("*.py")} - {"__init__"}
+    assert present == set(ACCELERATE_COMPAT), "list each module of accelerate_compat/ in its layer"
+    order = list(ACCELERATE_COMPAT)
+    for i, name in enumerate(order):
+        inside, outside = _accelerate_compat_imports(ACCELERATE_COMPAT_DIR / f"{name}.py")
+        assert inside - {name} <= set(order[:i]), (name, sorted(inside - set(order[:i]) - {name}))
+        assert outside <= ACCELERATE_COMPAT[name], (name, sorted(outside - ACCELERATE_COMPAT[name]))
+    inside, outside = _accelerate_compat_imports(PACKAGE / "accelerator.py")
+    assert not outside, ("accelerator.py re-exports accelerate_compat only", sorted(outside))
+    above = {PACKAGE / "__init__.py", PACKAGE / "accelerator.py"}  # the re-exports
+    for path in PACKAGE.rglob("*.py"):
+        if path in above or path.parent == ACCELERATE_COMPAT_DIR:
+            continue
+        inside, _ = _accelerate_compat_imports(path)
+        assert not inside, (f"{path.name} sits below the accelerate surface", sorted(inside))
+
+
+def test_accelerate_compat_modules_stay_small():
+    for path in [PACKAGE / "accelerator.py", *ACCELERATE_COMPAT_DIR.glob("*.py")]:
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= MAX_LINES, (path.name, lines)
