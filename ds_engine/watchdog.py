@@ -73,7 +73,7 @@ def hang_hint(call: str, others: dict[int, dict[str, Any]]) -> str:
         f"rank {r} "
         + ("is not in an Engine call" if s.get("call") is None else f"is in `{s['call']}`")
         + (f" (step {s['step']})" if s.get("step") is not None else "")
-        + (" and has left the training loop" if s.get("ended") else "")
+        + (" and has left the training loop" if s.get("ended") or s.get("call") == "end_training" else "")
         for r, s in sorted(elsewhere.items())
     )
     if call in COLLECTIVE_CALLS:

@@ -103,6 +103,8 @@ def test_hints() -> None:
     assert "collective" in hang_hint("get_state_dict", {1: {"call": "step", "step": 3}})
     assert "every rank is in this call" in hang_hint("backward", {1: {"call": "backward"}})
     assert "rank 1 is not in an Engine call" in hang_hint("backward", {1: {"call": None}})
+    left = hang_hint("step", {1: {"call": "end_training", "step": 3}})
+    assert "rank 1 is in `end_training` (step 3) and has left the training loop" in left
     with pytest.raises(ValueError, match="timeout_s = 0"):
         Watchdog(rank=0, world_size=1, timeout_s=0)
 
