@@ -43,7 +43,7 @@ from ds_engine.generation import any_gathered as _any_gathered
 from ds_engine.generation import gathered as _gathered
 from ds_engine.generation import generate as _generate
 from ds_engine.generation import is_gathered as _is_gathered
-from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, schedule_length
+from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, is_scheduler, schedule_length
 from ds_engine.step_state import StepState
 
 _log = logging.getLogger("ds_engine")
@@ -58,10 +58,7 @@ _CHECKPOINT_DIRS: weakref.WeakValueDictionary[str, Engine] = weakref.WeakValueDi
 CONFIG_ENV = "DS_ENGINE_CONFIG"
 
 
-def _is_scheduler(obj: Any) -> bool:
-    return callable(getattr(obj, "step", None)) and (
-        hasattr(obj, "get_last_lr") or isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-    )
+_is_scheduler = is_scheduler  # the name callers used before `ds_engine.scheduler.is_scheduler`
 
 
 class Engine:
@@ -201,6 +198,18 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     @property
+    def model(self) -> torch.nn.Module | None:
+        """The prepared model (DeepSpeed's engine or the fallback's wrapper), or None before
+        `prepare` got one (and after `release`)."""
+        return self._model
+
+    @property
+    def current_loader(self) -> PreparedDataLoader | None:
+        """The innermost prepared dataloader being iterated (its batch is the current
+        micro-step's), or None outside every prepared loader's loop."""
+        return self._loaders_in_progress[-1] if self._loaders_in_progress else None
+
+    @property
     def optimizer(self) -> PreparedOptimizer | None:
         """The prepared optimizer: the user's, or DeepSpeed's native one from the config."""
         return self._optimizer
@@ -228,6 +237,11 @@ class Engine:
         """The one error for `<caller>.<call>` after `end_training` (every backend alike)."""
         if self.step.ended:
             self.step.refuse_if_ended(f"{self._caller}.{call}")
+
+    def ensure_process_group(self) -> bool:
+        """Form (or join) this run's process group; True when there is one (False: one process
+        without a group). Raises RuntimeError after `end_training`."""
+        return self._dist("ensure_process_group()")
 
     def _dist(self, call: str | None = None) -> bool:
         """Form (or join) the process group; True when there is one. `call`: the user's call, for
@@ -483,7 +497,7 @@ class Engine:
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         loaders = [o for o in objects if isinstance(o, DataLoader)]
-        schedulers = [o for o in objects if _is_scheduler(o) and not isinstance(o, torch.optim.Optimizer)]
+        schedulers = [o for o in objects if is_scheduler(o) and not isinstance(o, torch.optim.Optimizer)]
         known = {id(o) for o in (*models, *optimizers, *loaders, *schedulers)}
         for obj in objects:
             if id(obj) not in known:
@@ -505,6 +519,8 @@ class Engine:
                 "choices (they share the process group), e.g. teacher_engine = Engine(zero_stage=3); "
                 "teacher = teacher_engine.prepare(teacher)."
             )
+        if schedulers and not models and not optimizers and not loaders and self._model is not None:
+            return self._prepare_scheduler_alone(schedulers[0])
         if (optimizers or schedulers) and not models and self._model is None:
             raise ValueError(
                 "`prepare` got an optimizer/scheduler but no model. HINT: pass the model in the "
@@ -557,6 +573,38 @@ class Engine:
                 self._scheduler = OverflowAwareScheduler(backend_scheduler, self.step, engine_steps_it=True)
         result = tuple(prepared[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
+
+    def _prepare_scheduler_alone(self, scheduler: Any) -> OverflowAwareScheduler:
+        """`prepare(scheduler)` in a call of its own, after its model and optimizer were prepared."""
+        if self._optimizer is None:
+            raise ValueError(
+                f"`{self._caller}.prepare(scheduler)`: the model was prepared without an optimizer "
+                "(inference only), so there is nothing for an LR scheduler to drive. HINT: prepare "
+                "the model with its optimizer first: prepare(model, optimizer), then prepare(scheduler)."
+            )
+        if self._scheduler is not None:
+            raise ValueError(
+                f"`{self._caller}.prepare(scheduler)`: a scheduler is prepared already; ds_engine trains "
+                "one scheduler per Engine. HINT: prepare one scheduler only."
+            )
+        self._scheduler = self._wrap_scheduler(scheduler)
+        return self._scheduler
+
+    def release(self) -> None:
+        """Drop every prepared object so that a new `prepare` starts afresh (accelerate's `free_memory`).
+
+        Forgets the prepared model, optimizer, scheduler and dataloaders (also loaders being
+        iterated) and releases what the backend built for them (DeepSpeed's engine is destroyed);
+        the process group and the step counters stay. Gradients not yet applied are discarded.
+        """
+        self._model, self._optimizer, self._scheduler = None, None, None
+        self._dataloaders, self._loaders_in_progress = [], []
+        self._loader_marks.clear()
+        self._trained_batch.clear()
+        self.step.grads_pending = False
+        self.step.boundary, self.step.stepped, self.step.micro_backwards = True, False, 0
+        self._backend.release()
+        gc.collect()
 
     def _check_optimizer_parameters(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer that holds tensors which are not the model's parameters.

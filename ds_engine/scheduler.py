@@ -109,6 +109,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
+def is_scheduler(obj: Any) -> bool:
+    """True for an LR scheduler `prepare` accepts: a callable `step` and `get_last_lr` (or a torch
+    `LRScheduler`)."""
+    return callable(getattr(obj, "step", None)) and (
+        hasattr(obj, "get_last_lr") or isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+    )
+
+
 def schedule_length(scheduler: Any) -> int | None:
     """The number of `step()` calls a schedule is sized for, where the scheduler says so.
 

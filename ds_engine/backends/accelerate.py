@@ -267,10 +267,37 @@ class AccelerateBackend(Backend):
         self.accelerator.gradient_accumulation_steps = 1
         self.accelerator.backward(loss * scale if scale != 1.0 else loss)
 
-    def _unscale_once(self) -> None:
-        if not self._unscaled:
+    # -------------------------------------------------------------- capabilities
+    @property
+    def distributed_type(self) -> str:
+        """From the inner `accelerate.Accelerator` (or accelerate's shared state before one exists)."""
+        if self.accelerator is not None:
+            kind = self.accelerator.distributed_type
+        else:
+            from accelerate.state import PartialState
+
+            kind = PartialState().distributed_type
+        return str(getattr(kind, "name", kind))
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.fsdp
+
+    def unscale_gradients(self) -> None:
+        """Unscale the fp16 GradScaler's gradients, at most once per optimizer step."""
+        if not self._unscaled and self.accelerator is not None and self.optimizer is not None:
             self.accelerator.unscale_gradients(self.optimizer)
             self._unscaled = True
+
+    def _unscale_once(self) -> None:
+        self.unscale_gradients()
+
+    def release(self) -> None:
+        """Drop the prepared model and optimizer, here and in the inner `accelerate.Accelerator`."""
+        if self.accelerator is not None:
+            self.accelerator.free_memory()
+        self.model, self.optimizer = None, None
+        self._unscaled, self._clip_norm = False, None
 
     def _params(self) -> list[torch.nn.Parameter]:
         assert self.model is not None

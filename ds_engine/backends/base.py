@@ -113,6 +113,33 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device(self) -> torch.device: ...
 
+    # -------------------------------------------------------------- capabilities
+    @property
+    def distributed_type(self) -> str:
+        """The name of accelerate's `DistributedType` member this backend corresponds to
+        ("DEEPSPEED", "MULTI_CPU", "MULTI_GPU", "FSDP", "NO", ...)."""
+        return "NO"
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True when the model is sharded with FSDP2."""
+        return False
+
+    @property
+    def supports_clip_grad_value(self) -> bool:
+        """True when gradients may be clamped element-wise (`clip_grad_value_`) at a boundary."""
+        return True
+
+    def unscale_gradients(self) -> None:
+        """Unscale fp16 gradients once before they are read or clipped by hand (a no-op where
+        the backend's gradients are never scaled when the user sees them)."""
+        return None
+
+    def release(self) -> None:
+        """Drop everything `prepare_model` built (wrapped model, optimizer, native engine), so a
+        later `prepare_model` starts afresh; the process group stays. Default: nothing held."""
+        return None
+
     # -------------------------------------------------------------- model set-up
     def init_context(self) -> contextlib.AbstractContextManager[None]:
         """Context in which models are created (ZeRO-3 partitions them at creation)."""

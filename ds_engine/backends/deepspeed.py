@@ -116,6 +116,27 @@ class DeepSpeedBackend(Backend):
     def ds_config(self) -> dict[str, Any] | None:
         return self._ds_config
 
+    # -------------------------------------------------------------- capabilities
+    @property
+    def distributed_type(self) -> str:
+        return "DEEPSPEED"
+
+    @property
+    def supports_clip_grad_value(self) -> bool:
+        """False: DeepSpeed clips by the global norm inside its step only."""
+        return False
+
+    def release(self) -> None:
+        """Destroy and drop the DeepSpeed engine (its hooks, buffers and optimizer state)."""
+        engine, self.ds_engine = self.ds_engine, None
+        self._ds_config = None
+        self._unmanaged = False
+        if self._coalesce is not None:
+            self._coalesce.close()
+            self._coalesce = None
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+
     # -------------------------------------------------------------- ZeRO-3 creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:
         if self.effective.zero_stage != 3:
