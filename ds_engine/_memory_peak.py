@@ -188,13 +188,13 @@ def activation_bytes(
 FRAMEWORK_FIXED_BYTES = 16 * 10**6
 FRAMEWORK_BYTES_PER_PARAM: Mapping[int, tuple[float, float]] = {
     0: (0.0, 1.0),
-    1: (1.8, 0.25),
-    2: (1.8, 1.2),
-    3: (1.45, 0.1),
+    1: (2.4, 0.25),
+    2: (2.4, 0.6),
+    3: (1.9, 0.0),
 }
 #: With the optimizer offloaded: extra bytes per trainable parameter for the staging copies around
 #: the CPU optimizer step (fp32 gradients gathered for it, the updated 16-bit copies), by stage.
-OFFLOAD_BYTES_PER_TRAINABLE: Mapping[int, float] = {1: 4.75, 2: 3.8, 3: 1.2}
+OFFLOAD_BYTES_PER_TRAINABLE: Mapping[int, float] = {1: 4.15, 2: 3.8, 3: 0.85}
 #: The backward of a 16-bit embedding table accumulates its gradient in fp32 (bytes per element
 #: of the table), measured on CPU.
 EMBEDDING_GRAD_BYTES = 4
