@@ -46,7 +46,7 @@ from ds_engine.collectives import map_tensors
 from ds_engine.config import EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
 from ds_engine.engine import Engine
-from ds_engine.scheduler import OverflowAwareScheduler
+from ds_engine.scheduler import OverflowAwareScheduler, is_scheduler
 
 _PRECISION_NAME = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 
@@ -149,6 +149,7 @@ class Accelerator(Engine):
         self.trackers: list[Any] = []
         self._custom_objects: list[Any] = []
         self._trigger = False
+        self._logs_to_folder = False  # `log_to` was called: `log` writes there too
 
         super().__init__(setup.config, backend=backend, **setup.choices)
         if not self.step_scheduler_with_optimizer:
@@ -156,18 +157,22 @@ class Accelerator(Engine):
             self.schedule_sized_from = "prepared"
         # accelerate forms the process group at construction, and its logging / trackers need a
         # PartialState: initialise one on the Engine's group (it adopts the existing group).
-        self._dist()
+        self.ensure_process_group()
         PartialState(cpu=not torch.cuda.is_available())
         if self.is_main_process:
             logging.getLogger("ds_engine").info(SEMANTICS_NOTE)
 
     # ================================================================= facts
     @property
+    def _backend_capabilities(self) -> Any:
+        """The backend, read for the capabilities `Backend` declares (`distributed_type`,
+        `is_fsdp2`, `supports_clip_grad_value`, `unscale_gradients`) and nothing else."""
+        return self._backend  # the Engine offers no public accessor of its backend
+
+    @property
     def distributed_type(self) -> DistributedType:
-        if self.backend_name == "deepspeed":
-            return DistributedType.DEEPSPEED
-        inner = getattr(self._backend, "accelerator", None)
-        return inner.distributed_type if inner is not None else PartialState().distributed_type
+        """accelerate's name for the run: DEEPSPEED, or the fallback's (MULTI_CPU, MULTI_GPU, FSDP, NO)."""
+        return DistributedType[self._backend_capabilities.distributed_type]
 
     @property
     def mixed_precision(self) -> str:
@@ -179,7 +184,8 @@ class Accelerator(Engine):
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPluginView | None:
-        return DeepSpeedPluginView(self) if self.backend_name == "deepspeed" else None
+        """The run's DeepSpeed config as accelerate's plugin shows it; None when DeepSpeed does not run."""
+        return DeepSpeedPluginView(self) if self.distributed_type == DistributedType.DEEPSPEED else None
 
     @property
     def use_distributed(self) -> bool:
@@ -191,7 +197,7 @@ class Accelerator(Engine):
 
     @property
     def is_fsdp2(self) -> bool:
-        return bool(getattr(self._backend, "fsdp", False))
+        return self._backend_capabilities.is_fsdp2
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:
@@ -304,7 +310,7 @@ class Accelerator(Engine):
         if dummy_optim or dummy_sched:
             self._check_dummies(dummy_optim, dummy_sched)
             self._fill_from_dummies(dummy_optim, dummy_sched)
-        late = [o for o in rest if _is_late_scheduler(o, self)]
+        late = [o for o in rest if self._is_late_scheduler(o)]
         engine_objects = [o for o in rest if not any(o is s for s in late)]
         prepared: dict[int, Any] = {}
         if engine_objects:
@@ -323,13 +329,17 @@ class Accelerator(Engine):
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
 
+    def _is_late_scheduler(self, obj: Any) -> bool:
+        """A scheduler handed to `prepare` on its own, after the model and optimizer were prepared."""
+        return is_scheduler(obj) and not isinstance(obj, torch.optim.Optimizer) and self.model is not None
+
     def _check_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
         eff = self.config
         hint = (
             "put an `optimizer` / `scheduler` block in the DeepSpeed config (DS_ENGINE_CONFIG or "
             "deepspeed_plugin), or pass a torch optimizer / scheduler"
         )
-        if self.backend_name != "deepspeed":
+        if self.distributed_type != DistributedType.DEEPSPEED:
             raise ValueError(
                 "ds_engine.Accelerator.prepare: DummyOptim / DummyScheduler stand for DeepSpeed's configured "
                 f"optimizer and scheduler, and this run uses the {self.backend_name!r} backend. HINT: pass a "
@@ -390,15 +400,14 @@ class Accelerator(Engine):
         """Prepare an LR scheduler after its model and optimizer were prepared (a call of its own)."""
         if isinstance(scheduler, OverflowAwareScheduler):
             return scheduler
-        if self._model is None or self._optimizer is None:
+        if self.model is None or self.optimizer is None:
             raise ValueError(
                 "ds_engine.Accelerator.prepare_scheduler: prepare the model and optimizer first. HINT: "
                 "accelerator.prepare(model, optimizer, scheduler) in one call."
             )
-        if self._scheduler is not None:
+        if self.lr_scheduler is not None:
             raise ValueError("ds_engine trains one scheduler per Accelerator; one is prepared already.")
-        self._scheduler = self._wrap_scheduler(scheduler)
-        return self._scheduler
+        return super().prepare(scheduler)
 
     # ================================================================= training step
     @contextlib.contextmanager
@@ -413,16 +422,14 @@ class Accelerator(Engine):
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient to [-clip_value, clip_value] at a boundary (fallback only)."""
-        if self.backend_name == "deepspeed":
+        if not self._backend_capabilities.supports_clip_grad_value:
             raise RuntimeError(
                 "DeepSpeed does not support `clip_grad_value_` (accelerate raises too). HINT: use "
                 "`clip_grad_norm_` with the config's `gradient_clipping`."
             )
         if not self.sync_gradients:
             return
-        unscale = getattr(self._backend, "_unscale_once", None)
-        if unscale is not None:
-            unscale()
+        self._backend_capabilities.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def unwrap_model(
@@ -442,23 +449,29 @@ class Accelerator(Engine):
             return super().gather_for_metrics(input_data)
         from accelerate.utils import gather_object
 
-        self._dist()
+        self._join_group("gather_for_metrics(...)")
         data = gather_object(input_data)
         remaining = self._remaining_samples()
         return data[:remaining] if remaining is not None else data
 
     def _remaining_samples(self) -> int | None:
         """Real samples in the gathered last batch of the loader in progress (None mid-epoch)."""
-        loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
+        loader = self.current_loader
         if loader is None or loader.batch_index != len(loader) - 1:
             return None
         return loader.num_samples - loader.batch_index * loader.batch_size * self.num_processes
+
+    def _join_group(self, call: str) -> None:
+        """Form (or join) the process group accelerate's collectives use; after `end_training` the
+        one error, naming `accelerator.<call>`."""
+        self.step.refuse_if_ended(f"accelerator.{call}")
+        self.ensure_process_group()
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """accelerate's `reduce` ("sum", "mean", "none"; nested structures) on this process group."""
         from accelerate.utils import reduce
 
-        self._dist()
+        self._join_group("reduce(...)")
         return reduce(tensor, reduction, scale)
 
     def pad_across_processes(
@@ -466,7 +479,7 @@ class Accelerator(Engine):
     ) -> Any:
         from accelerate.utils import pad_across_processes
 
-        self._dist()
+        self._join_group("pad_across_processes(...)")
         return pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     # ================================================================= data
@@ -517,7 +530,7 @@ class Accelerator(Engine):
         an OSError on every rank naming the rank, the file and the cause) deletes nothing and
         leaves no ``checkpoint_<iteration>`` behind. Returns the folder.
         """
-        self._refuse_if_ended("save_state(...)")
+        self.step.refuse_if_ended("accelerator.save_state(...)")
         if kwargs:
             raise TypeError(
                 f"save_state got {sorted(kwargs)}; ds_engine's checkpoints take no extra arguments."
@@ -550,7 +563,7 @@ class Accelerator(Engine):
     ) -> None:
         """Restore a `save_state` folder (under automatic naming the newest `checkpoint_<i>` that holds
         a complete saved state). Collective."""
-        self._refuse_if_ended("load_state(...)")
+        self.step.refuse_if_ended("accelerator.load_state(...)")
         if kwargs or load_kwargs:
             raise TypeError("load_state takes no extra arguments in ds_engine.")
         pc = self.project_configuration
@@ -586,12 +599,7 @@ class Accelerator(Engine):
         """Drop every prepared object (and the DeepSpeed engine) so `prepare` can start afresh."""
         from accelerate.utils import release_memory
 
-        ds_engine = getattr(self._backend, "ds_engine", None)
-        if ds_engine is not None and hasattr(ds_engine, "destroy"):
-            ds_engine.destroy()
-            self._backend.ds_engine = None  # type: ignore[attr-defined]
-        self._model, self._optimizer, self._scheduler = None, None, None
-        self._dataloaders, self._loaders_in_progress = [], []
+        self.release()
         released = release_memory(*objects)
         gc.collect()
         return list(released) if isinstance(released, (list, tuple)) else [released]
@@ -629,13 +637,25 @@ class Accelerator(Engine):
         log_kwargs = log_kwargs or {}
         for tracker in self.trackers:
             tracker.log(dict(values), step=step, **log_kwargs.get(tracker.name, {}))
-        if self._run_log is not None:
+        if self._logs_to_folder:
             super().log(values, step=step)
+
+    def log_to(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        tensorboard: bool = False,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`Engine.log_to`: `log` then writes into `directory` too, beside the trackers."""
+        super().log_to(directory, tensorboard=tensorboard, config=config)
+        self._logs_to_folder = True
 
     def end_training(self) -> None:
         """Finish the trackers, then wait for every process and end the process group."""
         for tracker in self.trackers:
             tracker.finish()
+        self._logs_to_folder = False
         super().end_training()
 
 
@@ -647,12 +667,3 @@ def _only_tensors(data: Any) -> bool:
     if isinstance(data, (list, tuple)):
         return len(data) > 0 and all(_only_tensors(v) for v in data)
     return False
-
-
-def _is_late_scheduler(obj: Any, accelerator: Accelerator) -> bool:
-    """A scheduler handed to `prepare` on its own, after the model and optimizer were prepared."""
-    from ds_engine.engine import _is_scheduler
-
-    return (
-        _is_scheduler(obj) and not isinstance(obj, torch.optim.Optimizer) and accelerator._model is not None
-    )
