@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ds_engine import process_group
 from ds_engine._console import quiet_console
 from ds_engine._values import env_int
 from ds_engine.backends import select_backend
+from ds_engine.boundary import BoundaryPolicy
 from ds_engine.collectives import all_gather_cat, iter_tensors, map_tensors
 from ds_engine.config import ConfigError, EngineConfig
 
@@ -48,9 +50,8 @@ from ds_engine.step_state import StepState
 
 _log = logging.getLogger("ds_engine")
 
-#: Engines of this process that have not ended (`end_training`): the users of the one process
-#: group they share. Weak, so an Engine the script dropped holds nothing.
-_GROUP_USERS: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: Engines of this process that have not ended (`end_training`): see `ds_engine.process_group`.
+_GROUP_USERS = process_group._USERS
 #: Checkpoint folder (absolute) -> the Engine that saves into it (one folder per Engine).
 _CHECKPOINT_DIRS: weakref.WeakValueDictionary[str, Engine] = weakref.WeakValueDictionary()
 
@@ -98,6 +99,7 @@ class Engine:
         # never resolves again.
         from ds_engine.config import resolve_config
 
+        process_group.adopt_host_group()  # a group the host formed without the launcher's variables
         world_size = env_int("WORLD_SIZE", 1, minimum=1)
         for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
             env_int(name, 0)  # the launcher's variables, checked before any library reads them
@@ -120,13 +122,12 @@ class Engine:
         """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
         self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
         self._in_accumulate = False
-        self._loaders_in_progress: list[PreparedDataLoader] = []
+        # when a micro-step ends a window, what a misuse of it is, when a step counts as skipped
+        self._boundary = BoundaryPolicy(self.step, self._backend.user_accumulation_problem)
         self._model: torch.nn.Module | None = None
         self._optimizer: PreparedOptimizer | None = None
         self._scheduler: OverflowAwareScheduler | None = None
         self._dataloaders: list[PreparedDataLoader] = []
-        self._loader_marks: dict[int, tuple[int, int]] = {}
-        self._trained_batch: dict[int, int] = {}  # loader id -> last batch of its pass a micro-step ran on
         self._place_at_end = (0, 1)  # (rank, world size) as `end_training` found them
         self.config_optimizer_parameters: Any = None
         """What DeepSpeed's config `optimizer` trains when `prepare` gets no torch optimizer:
@@ -207,7 +208,21 @@ class Engine:
     def current_loader(self) -> PreparedDataLoader | None:
         """The innermost prepared dataloader being iterated (its batch is the current
         micro-step's), or None outside every prepared loader's loop."""
-        return self._loaders_in_progress[-1] if self._loaders_in_progress else None
+        return self._boundary.current_loader
+
+    @property
+    def _loaders_in_progress(self) -> list[PreparedDataLoader]:
+        """Prepared loaders being iterated, innermost last (the boundary policy's)."""
+        return self._boundary.loaders_in_progress
+
+    @_loaders_in_progress.setter
+    def _loaders_in_progress(self, loaders: list[PreparedDataLoader]) -> None:
+        self._boundary.loaders_in_progress = loaders
+
+    @property
+    def _trained_batch(self) -> dict[int, int]:
+        """Loader id -> last batch of its pass a micro-step ran on (the boundary policy's)."""
+        return self._boundary.trained_batch
 
     @property
     def optimizer(self) -> PreparedOptimizer | None:
@@ -248,9 +263,15 @@ class Engine:
         the error after `end_training` (default: the calling method's name)."""
         if self.step.ended:
             self._refuse_if_ended(call or f"{sys._getframe(1).f_code.co_name}(...)")
-        _GROUP_USERS.add(self)  # a user of the shared process group until its `end_training`
+        process_group.use(self)  # a user of the shared process group until its `end_training`
         self._backend.setup_distributed()
-        return dist.is_available() and dist.is_initialized()
+        return process_group.is_initialized()
+
+    @property
+    def owns_process_group(self) -> bool:
+        """True when ds_engine formed the current process group (`end_training` then destroys it);
+        False for none or a group the host formed before the Engine (borrowed, never destroyed)."""
+        return process_group.formed_here()
 
     @property
     def process_index(self) -> int:
@@ -383,6 +404,10 @@ class Engine:
         still alive (an Engine the script no longer references does not count). Until then a
         call only waits for every process, so the other Engines keep communicating. A second
         call on the same Engine does nothing.
+
+        A process group the host formed before the Engine (`torch.distributed.init_process_group`
+        in the script, Ray Train) is borrowed: it is never destroyed here nor at exit, and stays
+        usable afterwards (`owns_process_group` is False).
         """
         if self._ended:
             return
@@ -401,14 +426,7 @@ class Engine:
                     int(os.environ.get("WORLD_SIZE", "1")),
                 )
         self.step.ended = True
-        _GROUP_USERS.discard(self)
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            if _GROUP_USERS:
-                gc.collect()  # Engines dropped by the script may still sit in reference cycles
-            if not _GROUP_USERS:
-                self._backend.destroy_process_group()
+        process_group.end_use(self, self._backend.destroy_process_group)
 
     # ================================================================= model creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:
@@ -418,7 +436,7 @@ class Engine:
         config only while the context lasts, so a later plain `from_pretrained` stays plain.
         """
         self._refuse_if_ended("init_context()")
-        _GROUP_USERS.add(self)  # ZeRO-3 forms the process group here
+        process_group.use(self)  # ZeRO-3 forms the process group here
         return self._backend.init_context()
 
     def fill_auto(self, values: Mapping[str, Any]) -> None:
@@ -598,11 +616,8 @@ class Engine:
         the process group and the step counters stay. Gradients not yet applied are discarded.
         """
         self._model, self._optimizer, self._scheduler = None, None, None
-        self._dataloaders, self._loaders_in_progress = [], []
-        self._loader_marks.clear()
-        self._trained_batch.clear()
-        self.step.grads_pending = False
-        self.step.boundary, self.step.stepped, self.step.micro_backwards = True, False, 0
+        self._dataloaders = []
+        self._boundary.reset()
         self._backend.release()
         gc.collect()
 
@@ -727,8 +742,8 @@ class Engine:
             num_replicas=self.num_processes,
             rank=self.process_index,
             device=self.device,
-            on_batch=self._on_batch,
-            on_end=self._on_loader_end,
+            on_batch=self._boundary.on_batch,
+            on_end=self._boundary.on_loader_end,
             after_batch=self._after_batch,
         )
         self._check_same_length_on_every_rank(prepared, index=len(self._dataloaders))
@@ -767,48 +782,9 @@ class Engine:
             "rank-dependent sampler (DistributedSampler) yourself."
         )
 
-    def _on_batch(self, loader: PreparedDataLoader, index: int) -> None:
-        if not self._loaders_in_progress or self._loaders_in_progress[-1] is not loader:
-            if loader in self._loaders_in_progress:
-                self._loaders_in_progress.remove(loader)
-            self._loaders_in_progress.append(loader)
-        if id(loader) not in self._loader_marks:  # the pass's first batch
-            self._loader_marks[id(loader)] = self._marks()
-            self._trained_batch.pop(id(loader), None)
-
     def _after_batch(self, loader: PreparedDataLoader, index: int) -> None:
         if self._autosaver is not None:  # `autosave`: save at this boundary if one is due
             self._autosaver.after_batch(loader, index)
-
-    def _marks(self) -> tuple[int, int]:
-        """(optimizer steps taken, skipped included; micro-steps)."""
-        return self.step.num_optimizer_steps + self.step.num_skipped_steps, self.step.num_micro_steps
-
-    def _on_loader_end(self, loader: PreparedDataLoader) -> None:
-        if loader in self._loaders_in_progress:
-            self._loaders_in_progress.remove(loader)
-        start = self._loader_marks.pop(id(loader), None)
-        finished = loader.batch_index == len(loader)  # not a `break` or an exception
-        trained = self._trained_batch.pop(id(loader), None)
-        if not finished and trained is not None:
-            # the loop was left after training on batch `trained`: a checkpoint saved now resumes
-            # at the next batch, as the run that did not stop here goes on
-            loader.keep_position(trained + 1)
-        if finished and start is not None and self.step.grads_pending:
-            (steps_before, micro_before), (steps_now, micro_now) = start, self._marks()
-            never_stepped = steps_now == steps_before and micro_now > micro_before
-        else:
-            never_stepped = False
-        if never_stepped:
-            # At GA=1 gradients add up until `step()` (hand-written accumulation); a whole
-            # epoch of `backward` without one optimizer step is a loop that never trains.
-            raise RuntimeError(
-                f"a whole pass over a prepared dataloader ({len(loader)} micro-steps) called "
-                "`engine.backward` but never `optimizer.step()`: its gradients were accumulated and "
-                "never applied. HINT: call `optimizer.step()` and `optimizer.zero_grad()` after "
-                "`engine.backward(loss)` (every micro-step, or every N micro-steps when you "
-                "accumulate by hand)."
-            )
 
     # ================================================================= the training step
     def _guard_direct_backward(self, module: torch.nn.Module) -> None:
@@ -829,7 +805,7 @@ class Engine:
             self = engine_ref()
             if self is None or self._in_backward:
                 return
-            other = any(engine._in_backward for engine in list(_GROUP_USERS) if engine is not self)
+            other = any(engine._in_backward for engine in process_group.users() if engine is not self)
             trainable = any(p.requires_grad for p in module.parameters())
             if other and not trainable:
                 # another Engine's backward passes through this frozen model to the one it trains
@@ -865,50 +841,6 @@ class Engine:
                         tensor.register_hook(check)
 
         module.register_forward_hook(hook)
-
-    def _begin_micro_step(self) -> None:
-        """Decide whether this micro-step ends an accumulation window, and the window's length."""
-        ga = self.config.gradient_accumulation_steps
-        if self.step.grads_pending and self.step.boundary and not self.step.stepped:
-            # At GA=1 the user owns accumulation (accelerate's hand-written loop: `loss / gas`,
-            # `step()` every gas micro-steps): gradients keep adding up until their `step()`,
-            # exactly as in plain torch, on every backend that can defer its reduction.
-            problem = self._backend.user_accumulation_problem() if ga == 1 else ""
-            if ga > 1 or problem:
-                why = (
-                    f" ({problem})"
-                    if problem
-                    else ": its gradients would be mixed into the next window or lost"
-                )
-                raise RuntimeError(
-                    f"a new micro-step began, but the previous one (micro-step {self.num_micro_steps}) "
-                    f"ended an accumulation window (gradient_accumulation_steps={ga}) and "
-                    f"`optimizer.step()` was not called after its `engine.backward`{why}. HINT: let the "
-                    "Engine accumulate: Engine(gradient_accumulation_steps=N), call "
-                    "`engine.backward(loss)` (without dividing the loss by N) and then "
-                    "`optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()` on every "
-                    "micro-step, ideally inside `with engine.accumulate(model):`; they take effect "
-                    "only at boundaries. Accumulating by hand (`loss / N`, `step()` every N "
-                    "micro-steps) needs Engine(gradient_accumulation_steps=1)."
-                )
-        for in_progress in self._loaders_in_progress:  # their current batches are being trained on
-            self._trained_batch[id(in_progress)] = in_progress.batch_index
-        loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
-        if loader is not None:
-            index, length = loader.batch_index, len(loader)
-            start = (index // ga) * ga
-            window = min(ga, length - start)
-            position = index - start
-        else:
-            position = self.step.free_micro_steps % ga
-            window = ga
-            self.step.free_micro_steps += 1
-        self.step.window_len = window
-        self.step.window_start = position == 0
-        self.step.boundary = position + 1 == window
-        self.step.stepped = False
-        self.step.micro_backwards = 0
-        self.step.num_micro_steps += 1
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -992,12 +924,8 @@ class Engine:
                 context = self._backend.micro_step_context(
                     self._model, boundary=self.step.boundary, window_start=self.step.window_start
                 )
-        elif self.step.micro_backwards:
-            raise RuntimeError(
-                "`engine.backward` was called twice in one `accumulate()` micro-step; at an accumulation "
-                "boundary DeepSpeed ZeRO-1/2 would keep only the last call's gradients. HINT: add the "
-                "losses and call `engine.backward(total_loss)` once per micro-step."
-            )
+        else:
+            self._boundary.check_second_backward()
         self.step.micro_backwards += 1
         self._in_backward = True
         try:
@@ -1020,53 +948,24 @@ class Engine:
                 "before training (it re-partitions on exit); inside it, evaluate under torch.no_grad()."
             )
 
+    def _begin_micro_step(self) -> None:
+        """Decide whether this micro-step ends an accumulation window (`BoundaryPolicy`)."""
+        self._boundary.begin_micro_step(self.config.gradient_accumulation_steps)
+
     def _optimizer_step(self) -> None:
         self.step.refuse_if_ended("optimizer.step()")
         self._refuse_training_while_gathered("optimizer.step()")
-        if (
-            self._in_accumulate
-            and self.step.micro_backwards == 0
-            and self.step.grads_pending
-            and self.step.boundary
-        ):
-            raise RuntimeError(
-                "`optimizer.step()` before `engine.backward(loss)` in the last micro-step of an "
-                "accumulation window: this micro-batch's gradients would spill into the next window. "
-                "HINT: inside `accumulate()`, call `engine.backward(loss)` first, then `optimizer.step()`."
-            )
-        if not self.step.boundary or self.step.stepped or not self.step.grads_pending:
-            return  # mid-window, already stepped, or nothing to apply (torch: a no-op too)
+        if not self._boundary.step_is_due(self._in_accumulate):
+            return
         outcome = self._backend.optimizer_step()
-        self.step.stepped = True
-        self.step.grads_pending = False
-        self.step.step_was_skipped = not outcome.applied
-        if outcome.applied:
-            self.step.num_optimizer_steps += 1
-            self.step.consecutive_skips = 0
-        else:
-            self.step.num_skipped_steps += 1
-            self.step.consecutive_skips += 1
-        self.step.grad_norm = outcome.grad_norm
-        self.step.loss_scale = outcome.loss_scale
-        limit = self.config.max_consecutive_skipped_steps
-        if limit and self.step.consecutive_skips >= limit:
-            raise FloatingPointError(
-                f"{self.step.consecutive_skips} optimizer steps in a row were skipped (non-finite gradients"
-                f"{'; loss scale ' + str(self.loss_scale) if self.loss_scale is not None else ''}): training "
-                "is not progressing. HINT: lower the learning rate, check the data for inf/nan, use bf16 "
-                "instead of fp16, or raise `max_consecutive_skipped_steps` (0 never raises)."
-            )
+        self._boundary.record_step(
+            outcome.applied, outcome.grad_norm, outcome.loss_scale, self.config.max_consecutive_skipped_steps
+        )
 
     def _zero_grad(self) -> None:
         self.step.refuse_if_ended("optimizer.zero_grad()")
-        if not self.step.grads_pending:
+        if self._boundary.zero_grad_clears():
             self._backend.zero_grad()  # nothing accumulated since the last step: a plain clear
-        elif self.step.boundary and self.step.micro_backwards and not self.step.stepped:
-            raise RuntimeError(
-                "`optimizer.zero_grad()` between `engine.backward(loss)` and `optimizer.step()` at an "
-                "accumulation boundary would discard the window's gradients before they are applied. "
-                "HINT: call `optimizer.step()` first, then `optimizer.zero_grad()`."
-            )
         # else: mid-window, or at the start of a boundary micro-step: keep accumulating
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> float | None:
@@ -1134,7 +1033,7 @@ class Engine:
         """`gather`, minus the duplicates padded into the last batch of an epoch."""
         self._refuse_if_ended("gather_for_metrics(...)")
         gathered = self.gather(data)
-        loader = self._loaders_in_progress[-1] if self._loaders_in_progress else None
+        loader = self._boundary.current_loader
         if loader is None or loader.batch_index != len(loader) - 1:
             return gathered
         seen = loader.batch_index * loader.batch_size * self.num_processes

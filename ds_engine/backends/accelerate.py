@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ds_engine import process_group
 from ds_engine._values import env_int
 from ds_engine.backends.base import (
     Backend,
@@ -126,11 +127,14 @@ class AccelerateBackend(Backend):
         # gloo group on CPU ranks), so that its distributed type is known before FSDP.
         from ds_engine.restarts import init_restarted_process_group
 
+        formed_before = process_group.is_initialized()
         init_restarted_process_group(  # a group torchrun restarted: fresh rendezvous keys
             "nccl" if torch.cuda.is_available() and not self._cpu_only() else "gloo",
             timedelta(seconds=eff.dist_timeout_s),
         )
         partial = PartialState(cpu=self._cpu_only(), timeout=timedelta(seconds=eff.dist_timeout_s))
+        if not formed_before and process_group.is_initialized():
+            process_group.mark_formed()
         if partial.use_distributed:
             destroy_process_group_at_exit()
         if partial.distributed_type != DistributedType.FSDP:

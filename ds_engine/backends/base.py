@@ -31,7 +31,8 @@ def destroy_process_group_at_exit() -> None:
     worker threads, which still hold tensors of finished work; the loser aborts with
     "terminate called without an active exception" (SIGABRT) after training succeeded
     (pytorch/pytorch#190489). Registered once, when a backend forms the group; a no-op when
-    the user already called `Engine.end_training()` or `destroy_process_group()`.
+    the user already called `Engine.end_training()` or `destroy_process_group()`, and for a
+    group the host formed before the Engine (borrowed: its owner ends it).
 
     Only gloo groups: destroying one is local and immediate even when a peer has died. An
     NCCL group is left alone here (its communicator shutdown may wait on peers of a failed
@@ -46,6 +47,10 @@ def destroy_process_group_at_exit() -> None:
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
+    from ds_engine import process_group
+
+    if not process_group.formed_here():
+        return  # none, or the host's (borrowed): its owner ends it
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # exiting anyway: never mask the real exit status
             if dist.get_backend() == "gloo":

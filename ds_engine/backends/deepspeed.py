@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_engine import process_group
 from ds_engine._console import quiet_unless_main
 from ds_engine._imports import require_deepspeed
 from ds_engine._values import env_int
@@ -93,6 +94,7 @@ class DeepSpeedBackend(Backend):
                 timeout=timedelta(seconds=self.effective.dist_timeout_s),
                 verbose=False,
             )
+        process_group.mark_formed()
         destroy_process_group_at_exit()
 
     def destroy_process_group(self) -> None:

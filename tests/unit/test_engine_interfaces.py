@@ -184,3 +184,34 @@ def test_deepspeed_capabilities():
         backend.unscale_gradients()  # DeepSpeed unscales inside its step: a no-op
     finally:
         engine.end_training()
+
+
+def test_a_group_the_host_formed_is_borrowed_and_outlives_end_training(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "0")  # undone at the end: the Engine sets them from the group
+        monkeypatch.delenv(name)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        engine = Engine(backend="accelerate")
+        model, optimizer = _model_and_optimizer()
+        model, optimizer, loader = engine.prepare(model, optimizer, _loader())
+        for x, y in loader:
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert engine.owns_process_group is False
+        assert (engine.process_index, engine.num_processes) == (0, 1)
+        engine.end_training()
+        assert dist.is_initialized()  # the host's: still there, and usable
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert float(total) == 1.0
+        from ds_engine.backends.base import _destroy_process_group
+
+        _destroy_process_group()  # the exit hook leaves a borrowed group alone too
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
