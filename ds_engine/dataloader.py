@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 
@@ -320,3 +321,43 @@ class PreparedDataLoader:
         if not self._epoch_set_explicitly:
             self.batch_sampler.epoch += 1  # reshuffle next epoch, as accelerate does
         self._epoch_set_explicitly = False
+
+
+def check_same_length_on_every_rank(
+    loader: PreparedDataLoader, *, index: int, world: int, caller: str
+) -> None:
+    """Refuse loaders whose length differs across ranks: one all_gather of (batches, samples).
+
+    Every rank must take the same number of micro-steps (each one ends in collectives), and
+    the sharding cuts one global sample order: a rank with more batches would wait alone in
+    its next collective until the timeout. Raised on every rank alike.
+
+    Args:
+        loader: The prepared loader (#`index` of its Engine).
+        index: Its position among the Engine's prepared loaders, for the message.
+        world: The number of processes.
+        caller: What the script calls the Engine ("engine", "accelerator").
+    """
+    if world == 1:
+        return
+    try:
+        mine = [len(loader), loader.num_samples]
+    except TypeError:  # no length: nothing to compare
+        mine = [-1, -1]
+    local = torch.tensor(mine, dtype=torch.int64, device=loader.device)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    lengths = [(int(p[0]), int(p[1])) for p in parts]
+    if len(set(lengths)) == 1:
+        return
+    per_rank = ", ".join(
+        f"rank {r}: {n} batches ({s} samples)" if n >= 0 else f"rank {r}: no length"
+        for r, (n, s) in enumerate(lengths)
+    )
+    raise ValueError(
+        f"`{caller}.prepare`: dataloader #{index} differs across ranks ({per_rank}); every "
+        "rank must take the same number of steps, or the longer ones wait in a collective until "
+        "the timeout. HINT: give every rank the same whole dataset and a plain sampler (shuffle or "
+        "not): ds_engine shards it across ranks itself; do not split the data per rank or pass a "
+        "rank-dependent sampler (DistributedSampler) yourself."
+    )

@@ -24,6 +24,7 @@ __all__ = [
     "formed_here",
     "is_initialized",
     "mark_formed",
+    "place",
     "use",
     "users",
 ]
@@ -98,3 +99,13 @@ def end_use(engine: Any, destroy: Callable[[], None]) -> None:
     if not _USERS and _FORMED:
         destroy()
         _FORMED = False
+
+
+def place(default: tuple[int, int]) -> tuple[int, int]:
+    """(rank, world size) now: from the group, else the launcher's variables, else `default`."""
+    if is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return default

@@ -11,6 +11,7 @@ expects (the Engine decides which, see `Engine.prepare`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -137,6 +138,95 @@ def schedule_length(scheduler: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def schedule_reading(
+    scheduler: Any,
+    *,
+    sized_from: str,
+    world: int,
+    ga: int,
+    loader_lengths: tuple[int, int] | None,
+    default: str,
+    caller: str = "engine",
+    owner: str = "Engine",
+) -> tuple[int, int, str]:
+    """How many times a prepared scheduler steps per applied optimizer step (`Engine.prepare`).
+
+    Args:
+        scheduler: The user's LR scheduler (its length is read where it exposes one).
+        sized_from: "auto", "prepared" or "unprepared" (`Engine.schedule_sized_from`).
+        world: The number of processes.
+        ga: gradient_accumulation_steps.
+        loader_lengths: (batches of the un-prepared training dataloader, batches per process), or
+            None without a training dataloader.
+        default: The reading applied when the length does not decide (`default_schedule_reading`).
+        caller: What the script calls the Engine ("engine", "accelerator"), for the messages.
+        owner: The Engine's class name, for the message.
+
+    Returns:
+        (steps per applied optimizer step, log level, the log line; "" when nothing is said).
+
+    Raises:
+        ValueError: A `sized_from` other than the three readings.
+    """
+    import logging
+
+    if sized_from not in ("auto", "prepared", "unprepared"):
+        raise ValueError(
+            f"`{caller}.schedule_sized_from = {sized_from!r}`; allowed: 'auto', 'prepared', "
+            "'unprepared'. HINT: 'unprepared' when num_training_steps came from "
+            "len(dataloader) before `prepare` (accelerate's scripts), else 'prepared'."
+        )
+    if world == 1:
+        return 1, logging.INFO, ""  # both readings agree
+    if sized_from != "auto":
+        return (world if sized_from == "unprepared" else 1), logging.INFO, ""
+    total = schedule_length(scheduler)
+    chosen, guess = default, True
+    only_chosen_fits = False  # is the length whole epochs of the reading applied, and not the other?
+    if total is None:
+        why = "its length is unknown"
+    elif loader_lengths is None:
+        why = "no dataloader was prepared"
+    else:
+        unprepared_len, prepared_len = loader_lengths
+
+        def fits(batches: int) -> bool:  # whole epochs of `batches / GA` optimizer steps
+            per_epoch = {math.ceil(batches / ga), batches // ga} - {0}
+            return any(total >= n and total % n == 0 for n in per_epoch)
+
+        by = {"prepared": fits(prepared_len), "unprepared": fits(unprepared_len)}
+        sizes = f"{unprepared_len} batches un-prepared, {prepared_len} per process, GA {ga}"
+        if ga == 1:
+            # a loop accumulating by hand (`loss / gas`, step every gas batches) sizes its
+            # schedule as len / gas, which may look like either reading: never decide from it
+            why = (
+                f"at gradient_accumulation_steps=1 its length ({total} steps; {sizes}) does not "
+                "tell (the loop may accumulate by hand, `loss / gas`, with any gas)"
+            )
+        else:
+            if by["prepared"] != by["unprepared"]:
+                chosen, guess = ("unprepared" if by["unprepared"] else "prepared"), False
+            reading = (
+                f"is whole epochs of the {chosen} dataloader only"
+                if not guess
+                else ("fits both readings" if by["prepared"] else "fits neither reading")
+            )
+            why = f"its length ({total} steps) {reading} ({sizes})"
+        only_chosen_fits = by[chosen] and not by["unprepared" if chosen == "prepared" else "prepared"]
+    if guess:
+        why += f"; the default reading of {owner}"
+    per_step = world if chosen == "unprepared" else 1
+    # a warning where the reading applied is a guess the length does not single out
+    level = logging.WARNING if guess and not only_chosen_fits else logging.INFO
+    message = (
+        f"ds_engine: the LR schedule is read as sized from the {chosen} dataloader, so it advances "
+        f"{per_step} time(s) per applied optimizer step on {world} processes: {why}. HINT: set "
+        f"`{caller}.schedule_sized_from = {'prepared' if chosen == 'unprepared' else 'unprepared'!r}` "
+        "before `prepare` for the other reading."
+    )
+    return per_step, level, message
 
 
 class OverflowAwareScheduler:

@@ -287,6 +287,11 @@ class AccelerateBackend(Backend):
     def is_fsdp2(self) -> bool:
         return self.fsdp
 
+    @staticmethod
+    def holds_shards(module: torch.nn.Module) -> bool:
+        """FSDP2: parameters are DTensor shards."""
+        return any(hasattr(p, "full_tensor") for p in module.parameters())
+
     def unscale_gradients(self) -> None:
         """Unscale the fp16 GradScaler's gradients, at most once per optimizer step."""
         if not self._unscaled and self.accelerator is not None and self.optimizer is not None:

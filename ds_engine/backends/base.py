@@ -11,7 +11,7 @@ import abc
 import atexit
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,25 @@ class Backend(abc.ABC):
         """Drop everything `prepare_model` built (wrapped model, optimizer, native engine), so a
         later `prepare_model` starts afresh; the process group stays. Default: nothing held."""
         return None
+
+    # -------------------------------------------------------------- the prepared model
+    @staticmethod
+    def holds_shards(module: torch.nn.Module) -> bool:
+        """True when some parameter of `module` holds only this rank's shard now (its own
+        `state_dict()` is not whole). Default: nothing is sharded."""
+        return False
+
+    def guard_save_pretrained(self, module: torch.nn.Module) -> None:
+        """Route the prepared model's own `save_pretrained` (per instance) so that only rank 0
+        writes and a sharded model's partial state dict is refused (see `_save_pretrained_on_main`)."""
+        if not callable(getattr(type(module), "save_pretrained", None)):
+            return
+        holds_shards = type(self).holds_shards  # a plain function: the model does not keep the backend
+
+        def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+            return _save_pretrained_on_main(module, holds_shards, save_directory, *args, **kwargs)
+
+        module.__dict__["save_pretrained"] = save_pretrained
 
     # -------------------------------------------------------------- model set-up
     def init_context(self) -> contextlib.AbstractContextManager[None]:
@@ -317,3 +336,44 @@ def _check_not_merged(module: torch.nn.Module, merged: bool) -> None:
             f"`merged=True` but the model ({type(module).__name__}) is not a peft `PeftModel`: there is "
             "no adapter to merge. HINT: leave `merged=False`."
         )
+
+
+def _save_pretrained_on_main(
+    module: Any,
+    holds_shards: Callable[[torch.nn.Module], bool],
+    save_directory: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A prepared model's `save_pretrained`: written by rank 0 only; refuses a sharded model's
+    own (partial) state dict.
+
+    accelerate's idiom calls ``unwrap_model(model).save_pretrained(dir,
+    state_dict=engine.get_state_dict(model), save_function=engine.save)`` on every rank:
+    `get_state_dict` is collective and returns the full dict on rank 0, None elsewhere, so
+    every other rank would fall back to its own `state_dict()` (empty ZeRO-3 shards) and,
+    on transformers releases that do not check the rank themselves, write them over rank 0's
+    files. Here every rank but 0 returns at once; `is_main_process=` passed explicitly, or
+    `distributed_checkpoint=True` (transformers' collective format), keep transformers' own
+    behaviour.
+    """
+    explicit = "is_main_process" in kwargs or kwargs.get("distributed_checkpoint")
+    original = type(module).save_pretrained
+    if explicit:
+        return original(module, save_directory, *args, **kwargs)
+    state_dict = kwargs.get("state_dict", args[1] if len(args) > 1 else None)
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if state_dict is None and holds_shards(module):
+        if rank != 0:
+            return None  # rank 0 raises below; the others have nothing to write
+        raise ValueError(
+            "`save_pretrained` on a model whose parameters are sharded (ZeRO-3 / FSDP) without "
+            "`state_dict=`: its own state dict holds only this rank's shard. HINT: pass "
+            "`state_dict=engine.get_state_dict(model)` (call it on every rank), or use "
+            "`engine.save_pretrained(model, dir)`."
+        )
+    if rank != 0:
+        return None
+    return original(module, save_directory, *args, **kwargs)

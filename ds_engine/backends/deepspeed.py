@@ -128,6 +128,14 @@ class DeepSpeedBackend(Backend):
         """False: DeepSpeed clips by the global norm inside its step only."""
         return False
 
+    @staticmethod
+    def holds_shards(module: torch.nn.Module) -> bool:
+        """ZeRO-3: a partitioned parameter's local tensor is empty outside a gather."""
+        return any(
+            hasattr(p, "ds_id") and getattr(p, "ds_numel", p.numel()) != p.numel()
+            for p in module.parameters()
+        )
+
     def release(self) -> None:
         """Destroy and drop the DeepSpeed engine (its hooks, buffers and optimizer state)."""
         engine, self.ds_engine = self.ds_engine, None

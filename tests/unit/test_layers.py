@@ -43,6 +43,7 @@ SAVING = [
     "_values",
     "safety",
     "_io",
+    "_async_save",
     "_folders",
     "_safetensors",
     "_gather",
@@ -179,3 +180,39 @@ def test_accelerate_compat_modules_stay_small():
     for path in [PACKAGE / "accelerator.py", *ACCELERATE_COMPAT_DIR.glob("*.py")]:
         lines = len(path.read_text(encoding="utf-8").splitlines())
         assert lines <= MAX_LINES, (path.name, lines)
+
+
+# ---------------------------------------------------------------- the Engine and its parts
+#: The Engine facade, the modules it delegates to, and the backends: each capped at MAX_LINES.
+ENGINE_MODULES = [
+    "engine",
+    "engine_env",
+    "engine_generation",
+    "engine_metrics",
+    "engine_saving",
+    "boundary",
+    "process_group",
+    "guards",
+    "auto_values",
+    "step_state",
+    "scheduler",
+    "dataloader",
+]
+#: Modules still being split elsewhere, exempt from the package-wide cap for now.
+NOT_YET_SPLIT = {"accelerator", "weights", "checkpoint"}
+
+
+def test_the_engine_and_its_parts_stay_small():
+    paths = [PACKAGE / f"{name}.py" for name in ENGINE_MODULES]
+    paths += sorted((PACKAGE / "backends").glob("*.py"))
+    for path in paths:
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= MAX_LINES, (path.name, lines)
+
+
+def test_the_boundary_policy_and_the_process_group_stand_alone():
+    # no process group, no backend, no model: the policy reads the step state only
+    assert _ds_engine_imports(PACKAGE / "boundary.py") - {"boundary"} == {"step_state"}
+    assert not _ds_engine_imports(PACKAGE / "process_group.py") - {"process_group"}
+    assert not _ds_engine_imports(PACKAGE / "engine_env.py") - {"engine_env"}
+    assert _ds_engine_imports(PACKAGE / "auto_values.py") - {"auto_values"} == set()

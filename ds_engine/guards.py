@@ -1,0 +1,289 @@
+"""Guards on what `prepare` is given and on a prepared model's outputs.
+
+`sort_prepare_arguments` sorts and checks what `prepare` got; `check_optimizer_parameters` refuses
+an optimizer over tensors the model does not own; `refuse_backward` and the clip checks name
+what is wrong with a `backward` / `clip_grad_norm_` call.
+`guard_direct_backward` hooks the user's module so that a backward pass reaching its outputs
+outside `engine.backward` (or from another Engine's backward through a model that trains) stops
+with an error before anything is reduced or scaled.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ds_engine import process_group
+from ds_engine.collectives import iter_tensors
+from ds_engine.config import ConfigError
+from ds_engine.scheduler import is_scheduler
+
+__all__ = [
+    "check_clip_arguments",
+    "check_clipped_parameters",
+    "check_optimizer_parameters",
+    "check_scheduler_alone",
+    "guard_direct_backward",
+    "refuse_backward",
+    "sort_prepare_arguments",
+]
+
+
+def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
+    """Make `loss.backward()` on the prepared model's outputs stop with an error.
+
+    A direct backward bypasses the Engine: no window scaling, no boundary, and DeepSpeed
+    would divide by the configured GA (or refuse, on ZeRO-0) on its own. The forward hook
+    sits on the user's module, inside DeepSpeed's / DDP's wrapper, so its gradient hooks
+    run before the wrapper's own and nothing is reduced or scaled before the error.
+
+    Args:
+        engine: The Engine that prepared `module` (held weakly); its `_in_backward` and
+            `_optimizer` say whether a gradient reaching the output is its own.
+        module: The user's module inside the prepared wrapper.
+    """
+
+    # The hook holds the Engine weakly: DeepSpeed's engine keeps the module alive through
+    # reference cycles the collector cannot see (tensor hooks), and a dropped Engine must
+    # not stay alive through it (it would count as a user of the process group).
+    engine_ref = weakref.ref(engine)
+
+    def check(grad: torch.Tensor) -> None:
+        self = engine_ref()
+        if self is None or self._in_backward:
+            return
+        other = any(user._in_backward for user in process_group.users() if user is not self)
+        trainable = any(p.requires_grad for p in module.parameters())
+        if other and not trainable:
+            # another Engine's backward passes through this frozen model to the one it trains
+            # (a GAN's generator loss through its discriminator): no gradient lands here
+            return
+        if self._optimizer is None and trainable:
+            raise RuntimeError(
+                "a backward pass reached the output of a model prepared without an optimizer "
+                "(inference only, e.g. a frozen teacher) whose parameters require gradients; it "
+                "has no optimizer to apply them. HINT: run it under `torch.no_grad()`, `.detach()` "
+                "its outputs, or freeze it (`model.requires_grad_(False)`), and call `backward` on "
+                "the Engine of the model you train."
+            )
+        if other:
+            raise RuntimeError(
+                "another Engine's `backward` reached the output of this Engine's model, whose "
+                "parameters require gradients: they would get gradients outside this Engine's "
+                "accumulation. HINT: freeze it for the other model's step (`requires_grad_(False)` "
+                "before that forward, `requires_grad_(True)` after, the GAN idiom) or `.detach()` "
+                "its output."
+            )
+        if not self._in_backward:
+            raise RuntimeError(
+                "`loss.backward()` was called on the output of a model prepared by ds_engine; it "
+                "would bypass gradient accumulation (window scaling, the boundary, the reduction "
+                "across ranks). HINT: call `engine.backward(loss)` instead."
+            )
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(check)
+
+    module.register_forward_hook(hook)
+
+
+def check_optimizer_parameters(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, caller: str
+) -> None:
+    """Refuse an optimizer that holds tensors which are not the model's parameters.
+
+    The Engine reduces, clips, partitions and saves the prepared model's parameters only:
+    an optimizer built over another model (or over this one before it was re-created)
+    would step parameters that never get a gradient, and DeepSpeed's ZeRO-2/3 fail on them
+    deep inside. Holding only some of the model's parameters (a frozen part) is fine.
+    Checked before any process group work, on every rank alike.
+    """
+    owned = {id(p) for p in model.parameters()}
+    foreign: list[tuple[int, int, torch.Tensor]] = []
+    total = 0
+    for g, group in enumerate(optimizer.param_groups):
+        params = group.get("params", [])
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, param in enumerate(params):
+            total += 1
+            if id(param) not in owned:
+                foreign.append((g, i, param))
+    if not foreign:
+        return
+    g, i, first = foreign[0]
+    shape = tuple(getattr(first, "ds_shape", None) or first.shape)
+    which = (
+        f"none of its {total} parameters is a parameter of the model"
+        if len(foreign) == total
+        else f"{len(foreign)} of its {total} parameters are not parameters of the model"
+    )
+    raise ValueError(
+        f"`{caller}.prepare(model, optimizer)`: the optimizer ({type(optimizer).__name__}) "
+        f"steps tensors the model ({type(model).__name__}) does not own: {which} (the first: "
+        f"param_groups[{g}]['params'][{i}], shape {shape}). They would never get a gradient from "
+        "this model (a run that counts steps and trains nothing). HINT: create the optimizer from "
+        "the model you prepare, after creating it (after `init_context()` / `get_peft_model`): "
+        "`torch.optim.AdamW(model.parameters(), ...)`; a tensor of your own that must train "
+        "(e.g. a temperature) goes on the model: `model.temperature = torch.nn.Parameter(...)`."
+    )
+
+
+def sort_prepare_arguments(
+    objects: tuple[Any, ...], prepared_model: str | None
+) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer], list[DataLoader], list[Any]]:
+    """`prepare`'s arguments sorted into (models, optimizers, dataloaders, schedulers), checked.
+
+    Args:
+        objects: What `prepare` got.
+        prepared_model: The class name of the model the Engine prepared already, or None.
+
+    Raises:
+        TypeError: An object that is not a model, optimizer, DataLoader or LR scheduler.
+        ValueError: Two of a kind, a second model, or an optimizer / scheduler without a model.
+    """
+    models = [o for o in objects if isinstance(o, torch.nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    loaders = [o for o in objects if isinstance(o, DataLoader)]
+    schedulers = [o for o in objects if is_scheduler(o) and not isinstance(o, torch.optim.Optimizer)]
+    known = {id(o) for o in (*models, *optimizers, *loaders, *schedulers)}
+    for obj in objects:
+        if id(obj) not in known:
+            raise TypeError(
+                f"`prepare` got a {type(obj).__name__}, which is not a model, optimizer, "
+                "DataLoader or LR scheduler. HINT: pass only those."
+            )
+    for kind, found in (("model", models), ("optimizer", optimizers), ("scheduler", schedulers)):
+        if len(found) > 1:
+            raise ValueError(
+                f"`prepare` got {len(found)} {kind}s; ds_engine trains one model with one "
+                f"optimizer and one scheduler per Engine. HINT: use one Engine per model."
+            )
+    if models and prepared_model is not None:
+        raise ValueError(
+            f"`prepare` got a model ({type(models[0]).__name__}), but this Engine already prepared "
+            f"one ({prepared_model}); an Engine holds one model, and a "
+            "second would replace the first. HINT: create one Engine per model, each with its own "
+            "choices (they share the process group), e.g. teacher_engine = Engine(zero_stage=3); "
+            "teacher = teacher_engine.prepare(teacher)."
+        )
+    if (optimizers or schedulers) and not models and prepared_model is None:
+        raise ValueError(
+            "`prepare` got an optimizer/scheduler but no model. HINT: pass the model in the "
+            "same call: engine.prepare(model, optimizer, ...)."
+        )
+    if optimizers and not models:
+        raise ValueError(
+            "`prepare` got an optimizer without its model; this Engine's model was prepared in an "
+            "earlier call without one (inference only). HINT: pass them in one call: "
+            "engine.prepare(model, optimizer, ...)."
+        )
+    return models, optimizers, loaders, schedulers
+
+
+def refuse_backward(engine: Any, loss: Any, kwargs: dict[str, Any]) -> None:
+    """Raise the error for an `engine.backward(loss, **kwargs)` call that cannot run, in the order
+    the checks apply (called only when one of them fails, off the per-micro-step path).
+
+    Args:
+        engine: The Engine (its `_caller`, `_model`, `_optimizer`, `_refuse_training_while_gathered`).
+        loss: What `backward` got.
+        kwargs: The extra keyword arguments it got.
+    """
+    caller, model, optimizer = engine._caller, engine._model, engine._optimizer
+    refuse_while_gathered = engine._refuse_training_while_gathered
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"`{caller}.backward(loss)` got a {type(loss).__name__} ({loss!r:.60}); it needs the "
+            "loss tensor the forward computed (with its graph). HINT: pass the tensor itself, e.g. "
+            "`outputs.loss`, not `loss.item()` or a float."
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"`{caller}.backward(loss)` got a loss of shape {tuple(loss.shape)} ({loss.numel()} "
+            "values); backward needs a single number (a 0-dim tensor). HINT: reduce it first, e.g. "
+            f"`{caller}.backward(loss.mean())` (per-sample or per-token losses), or pass "
+            "`reduction='mean'` to the loss function."
+        )
+    if optimizer is None:
+        if model is not None:
+            raise RuntimeError(
+                "`engine.backward` on an Engine whose model was prepared without an optimizer: it is "
+                "inference only (no gradients, no optimizer state), e.g. a frozen teacher. HINT: call "
+                "`backward` on the Engine of the model you train; to train this one, prepare it with "
+                "its optimizer: engine.prepare(model, optimizer, ...)."
+            )
+        raise RuntimeError(
+            "`engine.backward` before an optimizer was prepared. HINT: "
+            "engine.prepare(model, optimizer, ...) first."
+        )
+    if kwargs:
+        raise TypeError(
+            f"`engine.backward` got unexpected arguments {sorted(kwargs)}. HINT: call "
+            "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
+        )
+    refuse_while_gathered("engine.backward(loss)")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"`{caller}.backward(loss)` got a loss ({float(loss.detach()):.6g}) that does not "
+            "require gradients: nothing connects it to a trained parameter (computed under "
+            "`torch.no_grad()`, from `.detach()`ed outputs, or with every parameter frozen). HINT: "
+            "compute the loss from the prepared model's forward with gradients enabled."
+        )
+
+
+def check_clip_arguments(max_norm: float, norm_type: float, configured: float) -> None:
+    """`clip_grad_norm_(max_norm, norm_type)`: refuse a norm other than the config's
+    `gradient_clipping` (`configured`), or another norm than the 2-norm."""
+    if float(max_norm) != float(configured):
+        raise ConfigError(
+            f"`clip_grad_norm_(max_norm={max_norm})` differs from `gradient_clipping={configured}`; "
+            "DeepSpeed clips with the config's value inside its step. HINT: "
+            f"Engine(gradient_clipping={max_norm}, ...) and keep the two equal."
+        )
+    if float(norm_type) != 2.0:
+        raise ConfigError(
+            f"`clip_grad_norm_(norm_type={norm_type})`: only the 2-norm is supported "
+            "(DeepSpeed clips by the global 2-norm). HINT: drop `norm_type`."
+        )
+
+
+def check_clipped_parameters(parameters: Any, module: torch.nn.Module | None) -> None:
+    """Refuse a parameter set other than the model's (`module`, None before `prepare`): clipping
+    is global to every backend."""
+    if module is None:
+        raise RuntimeError(
+            "`clip_grad_norm_` before `prepare`. HINT: engine.prepare(model, optimizer, ...) first."
+        )
+    given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    every = {id(p) for p in module.parameters()}
+    trained = {id(p) for p in module.parameters() if p.requires_grad}
+    ids = {id(p) for p in given}
+    if not trained <= ids or not ids <= every:
+        raise ConfigError(
+            f"`clip_grad_norm_` got {len(ids & trained)} of the model's {len(trained)} trained "
+            f"parameters{' and tensors that are not its parameters' if not ids <= every else ''}; "
+            "DeepSpeed clips the global norm of every trained parameter inside its step, so a "
+            "subset cannot be clipped on its own. HINT: pass `model.parameters()`."
+        )
+
+
+def check_scheduler_alone(has_optimizer: bool, has_scheduler: bool, *, caller: str) -> None:
+    """`prepare(scheduler)` in a call of its own: refused without a prepared optimizer, or when a
+    scheduler is prepared already."""
+    if not has_optimizer:
+        raise ValueError(
+            f"`{caller}.prepare(scheduler)`: the model was prepared without an optimizer "
+            "(inference only), so there is nothing for an LR scheduler to drive. HINT: prepare "
+            "the model with its optimizer first: prepare(model, optimizer), then prepare(scheduler)."
+        )
+    if has_scheduler:
+        raise ValueError(
+            f"`{caller}.prepare(scheduler)`: a scheduler is prepared already; ds_engine trains "
+            "one scheduler per Engine. HINT: prepare one scheduler only."
+        )
