@@ -22,7 +22,17 @@ import torch.distributed as dist
 from _common import parse_args, probe_exit
 from torch.utils.data import DataLoader, TensorDataset
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: torchrun's variables, removed for a host that forms its group without a launcher (torchrun's
+#: TORCHELASTIC_USE_AGENT_STORE would make a tcp:// rendezvous wait for the agent's store).
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 def train(backend: str) -> dict[str, Any]:
