@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ds_engine import process_group
+from ds_engine import process_group, watchdog
 from ds_engine._console import quiet_console
 from ds_engine._values import env_int
 from ds_engine.auto_values import filled_auto_blocks
@@ -50,6 +50,7 @@ from ds_engine.guards import (
     check_scheduler_alone,
     guard_direct_backward,
     refuse_backward,
+    refuse_creation_in_main_process_first,
     sort_prepare_arguments,
 )
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, is_scheduler, schedule_reading
@@ -124,6 +125,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
         self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
         self._in_accumulate = False
+        self._in_main_process_first = False
         # when a micro-step ends a window, what a misuse of it is, when a step counts as skipped
         self._boundary = BoundaryPolicy(self.step, self._backend.user_accumulation_problem)
         self._model: torch.nn.Module | None = None
@@ -313,7 +315,13 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     def wait_for_everyone(self) -> None:
         """Barrier across all processes."""
         if self._dist("wait_for_everyone()") and dist.get_world_size() > 1:
-            dist.barrier()
+            with self._watch("wait_for_everyone"):
+                dist.barrier()
+
+    def _watch(self, call: str) -> contextlib.AbstractContextManager[None]:
+        """Mark `call` for the hang watchdog (`hang_timeout_s`)."""
+        dog = watchdog.for_process(self.config.hang_timeout_s) if process_group.is_initialized() else None
+        return dog.watch(call, self.step.num_optimizer_steps) if dog is not None else contextlib.nullcontext()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the local main process only."""
@@ -325,7 +333,11 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         """Run the block on the main process first, then on the others (e.g. dataset caching)."""
         if not self.is_main_process:
             self.wait_for_everyone()
-        yield
+        self._in_main_process_first = True
+        try:
+            yield
+        finally:
+            self._in_main_process_first = False
         if self.is_main_process:
             self.wait_for_everyone()
 
@@ -361,7 +373,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             self._autosaver.close()  # the previous signal handlers come back
         self._place_at_end = process_group.place(self._place_at_end)  # `is_main_process` still answers
         self.step.ended = True
-        process_group.end_use(self, self._backend.destroy_process_group)
+        with self._watch("end_training"):
+            process_group.end_use(self, self._backend.destroy_process_group)
+        watchdog.stop_process_watchdog() if not process_group.is_initialized() else None
 
     # ================================================================= model creation
     def init_context(self) -> contextlib.AbstractContextManager[None]:
@@ -371,6 +385,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         config only while the context lasts, so a later plain `from_pretrained` stays plain.
         """
         self._refuse_if_ended("init_context()")
+        if self._in_main_process_first and self.config.zero_stage == 3 and self.backend_name == "deepspeed":
+            refuse_creation_in_main_process_first(self._caller)
         process_group.use(self)  # ZeRO-3 forms the process group here
         return self._backend.init_context()
 
@@ -608,7 +624,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self.step.micro_backwards += 1
         self._in_backward = True
         try:
-            with context:
+            with context, self._watch("backward"):
                 self._backend.backward(loss, scale=1.0 / self.step.window_len, boundary=self.step.boundary)
         finally:
             self._in_backward = False
@@ -636,7 +652,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self._refuse_training_while_gathered("optimizer.step()")
         if not self._boundary.step_is_due(self._in_accumulate):
             return
-        outcome = self._backend.optimizer_step()
+        with self._watch("step"):
+            outcome = self._backend.optimizer_step()
         self._boundary.record_step(
             outcome.applied, outcome.grad_norm, outcome.loss_scale, self.config.max_consecutive_skipped_steps
         )
@@ -660,7 +677,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         check_clipped_parameters(parameters, None if self._model is None else self.unwrap_model(self._model))
         if not self.step.boundary:
             return None
-        return self._backend.clip_grad_norm_(float(max_norm))
+        with self._watch("clip_grad_norm_"):
+            return self._backend.clip_grad_norm_(float(max_norm))
 
     # ================================================================= utilities
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -671,6 +689,12 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Autocast for the configured precision where the backend needs one (DeepSpeed casts itself)."""
         return self._backend.autocast()
+
+    # the saving collectives, marked for the hang watchdog
+    get_state_dict = watchdog.watched("get_state_dict", EngineSaving.get_state_dict)
+    save_pretrained = watchdog.watched("save_pretrained", EngineSaving.save_pretrained)
+    save_checkpoint = watchdog.watched("save_checkpoint", EngineSaving.save_checkpoint)
+    load_checkpoint = watchdog.watched("load_checkpoint", EngineSaving.load_checkpoint)
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

@@ -28,6 +28,7 @@ __all__ = [
     "check_scheduler_alone",
     "guard_direct_backward",
     "refuse_backward",
+    "refuse_creation_in_main_process_first",
     "sort_prepare_arguments",
 ]
 
@@ -287,3 +288,14 @@ def check_scheduler_alone(has_optimizer: bool, has_scheduler: bool, *, caller: s
             f"`{caller}.prepare(scheduler)`: a scheduler is prepared already; ds_engine trains "
             "one scheduler per Engine. HINT: prepare one scheduler only."
         )
+
+
+def refuse_creation_in_main_process_first(caller: str) -> None:
+    """Raise: a ZeRO-3 model created inside `main_process_first()` would hang the run."""
+    raise RuntimeError(
+        f"`{caller}.init_context()` inside `main_process_first()` under ZeRO-3: creating (or "
+        "loading) a model there partitions its weights across every rank, a collective, while the "
+        "other ranks wait for the main process: the run would hang. HINT: create the model on every "
+        "rank at once, outside `main_process_first()` (download or cache files inside it, then load "
+        "after it)."
+    )

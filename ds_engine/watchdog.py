@@ -24,15 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["COLLECTIVE_CALLS", "HANG_EXIT_CODE", "Watchdog", "connect_store", "hang_hint"]
+__all__ = [
+    "COLLECTIVE_CALLS",
+    "HANG_EXIT_CODE",
+    "Watchdog",
+    "connect_store",
+    "for_process",
+    "hang_hint",
+    "watched",
+]
 
 HANG_EXIT_CODE = 124
 """Exit status of a rank the watchdog stopped (as `timeout(1)` uses)."""
@@ -137,18 +146,20 @@ class Watchdog:
         self.fired = False
 
     # ------------------------------------------------------------------ marking calls
-    @contextlib.contextmanager
-    def watch(self, call: str, step: int | None = None) -> Iterator[None]:
-        """Mark `call` (at optimizer step `step`) as in progress; nested marks keep the outer name."""
+    def watch(self, call: str, step: int | None = None) -> _Mark:
+        """Mark `call` (at optimizer step `step`) as in progress while the returned context lasts;
+        nested marks keep the outer name."""
+        return _Mark(self, call, step)
+
+    def _enter(self, call: str, step: int | None) -> None:
         if self._depth == 0:
             self._call, self._step, self._since = call, step, time.monotonic()
         self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._call = None
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._call = None
 
     def progress(self) -> None:
         """The call in progress moved on (e.g. one more shard written): restart its clock."""
@@ -253,3 +264,60 @@ class Watchdog:
             self.on_hang(report)
             return
         os._exit(HANG_EXIT_CODE)
+
+
+class _Mark:
+    """The context `Watchdog.watch` returns (a plain class: it runs on every training call)."""
+
+    __slots__ = ("_call", "_dog", "_step")
+
+    def __init__(self, dog: Watchdog, call: str, step: int | None) -> None:
+        self._dog, self._call, self._step = dog, call, step
+
+    def __enter__(self) -> None:
+        self._dog._enter(self._call, self._step)
+
+    def __exit__(self, *exc: object) -> None:
+        self._dog._exit()
+
+
+_PROCESS: Watchdog | None = None
+
+
+def for_process(timeout_s: float) -> Watchdog | None:
+    """This process's watchdog, started the first time a process group of several ranks exists
+    and `timeout_s` > 0 (the first Engine's `hang_timeout_s` sets it); else None."""
+    global _PROCESS
+    if _PROCESS is not None or timeout_s <= 0:
+        return _PROCESS
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    _PROCESS = Watchdog(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        timeout_s=timeout_s,
+        store=connect_store(),
+        namespace=f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+    ).start()
+    return _PROCESS
+
+
+def stop_process_watchdog() -> None:
+    """Stop this process's watchdog (its process group ended): the other ranks learn it left."""
+    global _PROCESS
+    if _PROCESS is not None:
+        _PROCESS.stop(ended=True)
+        _PROCESS = None
+
+
+def watched(call: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of an Engine, marked as `call` for the watchdog while it runs (`engine._watch`)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._watch(call):
+            return method(self, *args, **kwargs)
+
+    return run
