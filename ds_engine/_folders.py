@@ -102,7 +102,7 @@ class Staging:
         """Make the staged files appear in `target` (see the module docstring)."""
         _fsync_tree(self.folder)
         if not os.path.lexists(self.target):
-            publish(self.folder, self.target)
+            publish(self.folder, self.target, synced=True)
             self.discard()
             return
         _check_fits(self.folder, self.target)
@@ -126,7 +126,7 @@ class Staging:
             except OSError:  # another filesystem beside it: moved file by file instead
                 return False
         try:
-            publish(whole, target)
+            publish(whole, target, synced=True)
         except BaseException:
             shutil.rmtree(whole, ignore_errors=True)
             raise

@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,14 +89,14 @@ def raise_rank0_failure(error: BaseException | None, target: Any) -> None:
         raise RuntimeError(f"rank 0 failed to write {str(target)!r}: {failure}")
 
 
-def any_rank_failed(failed: bool) -> bool:
-    """True on every rank when `failed` is true on any (collective)."""
+def any_rank_failed(failed: bool, group: Any = None) -> bool:
+    """True on every rank when `failed` is true on any (collective over `group`, default: all)."""
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return failed
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    if torch.distributed.get_backend() == "nccl":  # pragma: no cover - GPU runs
+    if torch.distributed.get_backend(group) == "nccl":  # pragma: no cover - GPU runs
         flag = flag.cuda()
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
@@ -165,12 +166,16 @@ def tmp_sibling(target: Path, kind: str) -> Path:
     return target.parent / f".{target.name}.{kind}-{os.getpid()}"
 
 
-def publish(tmp: Path, target: Path) -> None:
-    """Move the finished `tmp` folder to `target`, replacing an existing one safely."""
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            fsync_file(path)
-    fsync_dir(tmp)
+def publish(tmp: Path, target: Path, *, synced: bool = False) -> None:
+    """Move the finished `tmp` folder to `target`, replacing an existing one safely.
+
+    Every file in `tmp` is fsynced first, unless the caller did (`synced=True`).
+    """
+    if not synced:
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                fsync_file(path)
+        fsync_dir(tmp)
     if target.exists():
         if exchange(tmp, target):  # one atomic swap: the final name always holds a whole folder
             shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old folder
@@ -208,17 +213,29 @@ def exchange(a: Path, b: Path) -> bool:
 
 
 # --------------------------------------------------------------------------- small safe files
+#: Set on a thread by `_async_save.deferred_writes`: `defer(write, obj)` queues `write` of a
+#: host copy of `obj` instead of `save_safe` writing now.
+deferral = threading.local()
+
+
 def save_safe(obj: Any, path: Path, what: str) -> None:
     """`torch.save`, then prove the file loads with `weights_only=True` (no code on load).
+
+    Inside `_async_save.deferred_writes` (on its thread) the write is queued instead, with a
+    host copy of `obj`, and these errors come from the queued write.
 
     Raises:
         OSError: The file could not be written (full disk, read-only folder, ...): names the
             file and the cause, with a HINT; no partial file is left.
         TypeError: `obj` holds something that cannot be loaded without running code.
     """
+    defer = getattr(deferral, "defer", None)
+    if defer is not None:
+        defer(lambda snapshot: save_safe(snapshot, path, what), obj)
+        return
     try:
         torch.save(obj, path)
-        torch.load(path, map_location="cpu", weights_only=True)
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # no second copy in memory
         fsync_file(path)
     except Exception as exc:
         failure = write_failure(exc, path, what)
@@ -300,9 +317,10 @@ def _os_failure(
     return OSError(code, f"{reason}: could not write {what} to {str(path)!r}{left}. HINT: {hint}.")
 
 
-def gather_failures(error: BaseException | None) -> list[tuple[int, str, int | None]]:
-    """Every rank's failure, the same list on every rank (collective): ``(rank, "Type: message",
-    errno or None)`` for each rank whose `error` is not None, in rank order; [] when none failed.
+def gather_failures(error: BaseException | None, group: Any = None) -> list[tuple[int, str, int | None]]:
+    """Every rank's failure, the same list on every rank (collective over `group`, default: all
+    ranks): ``(rank, "Type: message", errno or None)`` for each rank whose `error` is not None,
+    in rank order; [] when none failed.
 
     One small all_reduce when nothing failed, then one all_gather of the messages; it is also
     the ranks' meeting point, so call it where a rank that failed would otherwise wait alone.
@@ -312,10 +330,10 @@ def gather_failures(error: BaseException | None) -> list[tuple[int, str, int | N
         mine = (f"{type(error).__name__}: {error}", getattr(error, "errno", None))
     if not dist_ready() or torch.distributed.get_world_size() == 1:
         return [] if mine is None else [(current_rank(), *mine)]
-    if not any_rank_failed(mine is not None):
+    if not any_rank_failed(mine is not None, group):
         return []
     boxes: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(boxes, mine)
+    torch.distributed.all_gather_object(boxes, mine, group=group)
     return [(rank, str(box[0]), box[1]) for rank, box in enumerate(boxes) if box is not None]
 
 

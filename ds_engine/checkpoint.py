@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from ds_engine._async_save import BackgroundSave, deferred_writes, side_group, wait_for_pending
 from ds_engine._checkpoint_state import (
     CHECKPOINT_FORMAT,
     _check_engine_state,
@@ -87,6 +88,7 @@ __all__ = [
     "resolve_checkpoint",
     "restore_rng_state",
     "save_training_checkpoint",
+    "wait_for_checkpoint",
 ]
 
 CHECKPOINT_META_NAME = "ds_engine_meta.json"
@@ -187,10 +189,12 @@ def save_training_checkpoint(
     tag: str | None = None,
     client_state: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
+    blocking: bool = True,
 ) -> Path:
     """Write a resumable checkpoint (collective: every rank calls it).
 
-    See `Engine.save_checkpoint` for the contract; this is its implementation.
+    See `Engine.save_checkpoint` for the contract; this is its implementation. A background
+    save still in flight is waited for first (and its error raised).
 
     Args:
         directory: Checkpoint folder (holds tags and `latest`).
@@ -198,10 +202,15 @@ def save_training_checkpoint(
         model: The user's (unwrapped) module; None before `prepare`.
         state: The Engine: its counters and `state_dict()` are saved.
         tag, client_state, keep_last: As in `Engine.save_checkpoint`.
+        blocking: False copies the state to host memory now and writes the files, publishes
+            the tag and rotates on a background thread (`ds_engine._async_save`); the next
+            save, `load_training_checkpoint` and `wait_for_checkpoint` wait for it and raise
+            its error on every rank.
 
     Returns:
-        The published tag folder, ``directory/<tag>``.
+        The tag folder, ``directory/<tag>`` (published once the save is complete).
     """
+    wait_for_checkpoint()
     if model is None:
         raise RuntimeError(
             "`save_checkpoint` before `prepare`: there is no model to save. HINT: call "
@@ -223,6 +232,8 @@ def save_training_checkpoint(
         raise ValueError(
             f"`keep_last`={keep_last!r} must be a positive int or None (keep all). HINT: keep_last=3."
         )
+    if not isinstance(blocking, bool):
+        raise ValueError(f"`blocking`={blocking!r} must be True or False. HINT: blocking=False.")
     target_root = Path(directory).absolute()
     rank = current_rank()
     problem = None
@@ -233,55 +244,94 @@ def save_training_checkpoint(
             "(created if missing).",
         )
     raise_problem(broadcast_from_rank0(problem))
-
-    staging_root = target_root / f".{tag}.tmp"
-    staging = staging_root / tag
-    error: BaseException | None = None
-    made_root = False  # rank 0: this save made `directory` (removed again, empty, if it fails)
-    if rank == 0:
+    save = _TagSave(target_root, tag, rank, keep_last, backend)
+    save.stage()  # the ranks meet here
+    group = None if blocking else side_group()
+    with contextlib.ExitStack() as stack:
+        writes = None if blocking else stack.enter_context(deferred_writes())
         try:
-            shutil.rmtree(staging_root, ignore_errors=True)
-            made_root = not target_root.exists()
-            staging.mkdir(parents=True)
-        except OSError as exc:
-            error = _staging_failure(exc, target_root, staging_root)
-    _raise_save_failure(error, gather_failures(error), target_root, tag)  # the ranks meet here
-    try:
-        backend.save_states(staging_root, tag)
-        save_safe(capture_rng_state(), staging / rng_state_name(rank), "the RNG state")
-        if rank == 0:
+            save.write(backend, model, state, client_state)
+        except BaseException as exc:  # every rank must still reach the agreement
+            save.error = exc
+    if writes is None:
+        save.finish(save.error)
+    else:
+        BackgroundSave(writes, lambda error: save.finish(error, group), save.error).start()
+    return target_root / tag
+
+
+def wait_for_checkpoint() -> None:
+    """Wait for the background checkpoint save in flight, if any (`blocking=False`), and raise
+    its error: the same on every rank, as a blocking save's failures are (collective in effect:
+    call it on every rank at the same point, e.g. at the end of training)."""
+    wait_for_pending()
+
+
+class _TagSave:
+    """One tag's save: staged by every rank in `directory/.<tag>.tmp/<tag>`, published by rank 0."""
+
+    def __init__(self, target_root: Path, tag: str, rank: int, keep_last: int | None, backend: Backend):
+        self.target_root, self.tag, self.rank, self.keep_last = target_root, tag, rank, keep_last
+        self.backend = backend
+        self.staging_root = target_root / f".{tag}.tmp"
+        self.staging = self.staging_root / tag
+        self.error: BaseException | None = None
+        self.made_root = False  # rank 0: this save made `directory` (removed again, empty, if it fails)
+
+    def stage(self) -> None:
+        """Rank 0 makes the staging folder; every rank raises its failure (collective)."""
+        error = None
+        if self.rank == 0:
+            try:
+                shutil.rmtree(self.staging_root, ignore_errors=True)
+                self.made_root = not self.target_root.exists()
+                self.staging.mkdir(parents=True)
+            except OSError as exc:
+                error = _staging_failure(exc, self.target_root, self.staging_root)
+        _raise_save_failure(error, gather_failures(error), self.target_root, self.tag)
+
+    def write(
+        self, backend: Backend, model: nn.Module, state: TrainingState, client_state: Mapping[str, Any] | None
+    ) -> None:
+        """Every rank's files into the staging folder (the backend's states, the RNG; rank 0's own)."""
+        staging, staging_root = self.staging, self.staging_root
+        backend.save_states(staging_root, self.tag)
+        save_safe(capture_rng_state(), staging / rng_state_name(self.rank), "the RNG state")
+        if self.rank == 0:
             save_safe(_engine_state(state, client_state), staging / ENGINE_STATE_NAME, "`client_state`")
             if is_hf_model(model):
                 save_hf_config(model, staging, None)
-            write_json(staging / CHECKPOINT_META_NAME, _checkpoint_meta(backend, state, tag))
+            write_json(staging / CHECKPOINT_META_NAME, _checkpoint_meta(backend, state, self.tag))
             # `latest`'s new content is written now, so publishing needs renames only (no space)
-            (staging_root / LATEST_NAME).write_text(tag, encoding="utf-8")
+            (staging_root / LATEST_NAME).write_text(self.tag, encoding="utf-8")
             fsync_file(staging_root / LATEST_NAME)
-    except BaseException as exc:  # every rank must still reach the agreement below
-        error = exc
-    failures = gather_failures(error)
-    if not failures:
-        if rank == 0:
-            try:
-                write_manifest(staging)  # every rank's files are written: record what the tag holds
-                publish(staging, target_root / tag)
-                os.replace(staging_root / LATEST_NAME, target_root / LATEST_NAME)
-                fsync_dir(target_root)
-            except BaseException as exc:
-                error = exc
-            else:  # published: the older tags may go now (a problem there is a warning only)
+
+    def finish(self, error: BaseException | None, group: Any = None) -> None:
+        """Agree on the ranks' write errors (collective over `group`), then publish, `latest`,
+        rotate; raise on every rank when any rank failed."""
+        target_root, staging_root = self.target_root, self.staging_root
+        failures = gather_failures(error, group)
+        if not failures:
+            if self.rank == 0:
+                try:
+                    write_manifest(self.staging)  # every rank's files are written: record the tag
+                    publish(self.staging, target_root / self.tag)
+                    os.replace(staging_root / LATEST_NAME, target_root / LATEST_NAME)
+                    fsync_dir(target_root)
+                except BaseException as exc:
+                    error = exc
+                else:  # published: the older tags may go now (a problem there is a warning only)
+                    shutil.rmtree(staging_root, ignore_errors=True)
+                    if self.keep_last is not None:
+                        _rotate(target_root, self.tag, self.keep_last, self.backend)
+            failures = gather_failures(error, group)  # every rank returns after the rotation
+        if failures:
+            if self.rank == 0:
                 shutil.rmtree(staging_root, ignore_errors=True)
-                if keep_last is not None:
-                    _rotate(target_root, tag, keep_last, backend)
-        failures = gather_failures(error)  # every rank returns after the rotation
-    if failures:
-        if rank == 0:
-            shutil.rmtree(staging_root, ignore_errors=True)
-            if made_root:
-                with contextlib.suppress(OSError):
-                    target_root.rmdir()  # only while empty: nothing but this save's is removed
-        _raise_save_failure(error, failures, target_root, tag)
-    return target_root / tag
+                if self.made_root:
+                    with contextlib.suppress(OSError):
+                        target_root.rmdir()  # only while empty: nothing but this save's is removed
+            _raise_save_failure(error, failures, target_root, self.tag)
 
 
 def _staging_failure(exc: OSError, target_root: Path, staging_root: Path) -> OSError:
@@ -566,6 +616,7 @@ def load_training_checkpoint(
     Returns:
         The saved `client_state`.
     """
+    wait_for_checkpoint()  # a background save still writing: its tag may be the one to load
     if model is None:
         raise RuntimeError(
             "`load_checkpoint` before `prepare`: there is nothing to load into. HINT: call "

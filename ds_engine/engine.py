@@ -366,11 +366,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         """
         if self._ended:
             return
-        if self._run_log is not None:
-            self._run_log.close()
-            self._run_log = None
-        if self._autosaver is not None:
-            self._autosaver.close()  # the previous signal handlers come back
+        self._end_saving()  # metrics log and autosave closed, a background save waited for
         self._place_at_end = process_group.place(self._place_at_end)  # `is_main_process` still answers
         self.step.ended = True
         with self._watch("end_training"):

@@ -209,6 +209,7 @@ class EngineSaving:
         tag: str | None = None,
         client_state: Mapping[str, Any] | None = None,
         keep_last: int | None = None,
+        blocking: bool = True,
     ) -> None:
         """Save everything needed to resume training exactly. Collective: call it on every rank.
 
@@ -227,6 +228,10 @@ class EngineSaving:
             client_state: Your own small state (step, epoch, ...): tensors, numbers, strings,
                 None, and lists/tuples/dicts of them; returned by `load_checkpoint`.
             keep_last: Keep only the newest `keep_last` tags in `directory` (None keeps all).
+            blocking: False returns once the state is copied to host memory; a thread writes
+                the files and publishes the tag while training goes on. The next
+                `save_checkpoint`, `load_checkpoint` and `end_training` wait for it and raise its
+                error on every rank (docs/preemption.md, "Background saves").
 
         Raises:
             RuntimeError: Before `prepare`, or in the middle of an accumulation window.
@@ -245,7 +250,22 @@ class EngineSaving:
             tag=tag,
             client_state=client_state,
             keep_last=keep_last,
+            blocking=blocking,
         )
+
+    def _end_saving(self) -> None:
+        """At `end_training`: close the metrics log and `autosave`'s handlers, then wait for a
+        background checkpoint save in flight (collective in effect) and raise its error."""
+        from ds_engine.checkpoint import wait_for_checkpoint
+
+        engine = cast("Engine", self)
+        if engine._run_log is not None:
+            engine._run_log.close()
+            engine._run_log = None
+        if engine._autosaver is not None:
+            engine._autosaver.close()  # the previous signal handlers come back
+        with engine._watch("end_training"):
+            wait_for_checkpoint()
 
     def load_checkpoint(self, directory: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
         """Resume from `save_checkpoint`'s folder. Collective; call it after `prepare`.
