@@ -9,6 +9,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-bash scripts/setup_env.sh .venv
+bash scripts/setup_env.sh .venv --extras examples
 exec .venv/bin/ds-engine launch --nproc-per-node 2 scripts/examples/finetune_classification.py \
   --zero-stage 3 --output-dir out/classification "$@"

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment and install ds-engine into it.
 #
-#   bash scripts/setup_env.sh [VENV_DIR] [--no-deepspeed]
+#   bash scripts/setup_env.sh [VENV_DIR] [--no-deepspeed] [--extras LIST]
+#
+# LIST: the ds-engine extras to install (comma-separated; default dev,peft,ray: what the test
+# suite uses); the main job asks for `examples` only. DeepSpeed's extra is added unless
+# --no-deepspeed.
 #
 # torch is installed first, from DS_ENGINE_TORCH (default `torch==2.13.0`, the CPU wheel on
 # CPU machines here). GPU users pick their own build, e.g.
@@ -12,13 +16,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
 with_deepspeed=1
-for arg in "$@"; do
-  case "$arg" in
+extras=dev,peft,ray
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-deepspeed) with_deepspeed=0 ;;
-    -*) echo "setup_env.sh: unknown option $arg" >&2; exit 2 ;;
-    *) venv=$arg ;;
+    --extras) extras=${2:?"setup_env.sh: --extras needs a list, e.g. --extras examples"}; shift ;;
+    -*) echo "setup_env.sh: unknown option $1 (known: --no-deepspeed, --extras LIST)" >&2; exit 2 ;;
+    *) venv=$1 ;;
   esac
+  shift
 done
+if [ "$with_deepspeed" = 1 ]; then extras="deepspeed,$extras"; fi
 python=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv"
@@ -27,27 +35,31 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 torch_spec=${DS_ENGINE_TORCH:-torch==2.13.0}
 # A warm rerun skips pip: the stamp records what the environment was built from (the project's
-# dependencies, the torch build, with or without DeepSpeed); the package is installed editable,
-# so source changes need no reinstall.
+# dependencies, the torch build, with or without DeepSpeed) and the extras installed; it is up
+# to date when that matches and the extras asked for are among those installed. The package is
+# installed editable, so source changes need no reinstall.
 stamp="$venv/.ds_engine_setup"
 want="$(cat pyproject.toml) | $torch_spec | ${DS_ENGINE_TORCH_INDEX:-} | deepspeed=$with_deepspeed"
 want_hash=$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_hash" ] \
-   && "$venv/bin/python" -c "import torch, ds_engine" 2>/dev/null; then
-  echo "[setup] $venv: up to date (delete $stamp to reinstall)"
-  exit 0
+have_hash=$(sed -n 1p "$stamp" 2>/dev/null || true)
+have_extras=$(sed -n 2p "$stamp" 2>/dev/null || true)
+if [ "$have_hash" = "$want_hash" ]; then
+  missing=$(comm -23 <(tr ',' '\n' <<<"$extras" | sort -u) <(tr ',' '\n' <<<"$have_extras" | sort -u))
+  if [ -z "$missing" ] && "$venv/bin/python" -c "import torch, ds_engine" 2>/dev/null; then
+    echo "[setup] $venv: up to date (delete $stamp to reinstall)"
+    exit 0
+  fi
+  # keep what is installed: a later run asking for fewer extras stays up to date
+  extras=$(tr ',' '\n' <<<"$extras,$have_extras" | sed '/^$/d' | sort -u | paste -sd, -)
 fi
 rm -f "$stamp"
 index_args=()
 if [ -n "${DS_ENGINE_TORCH_INDEX:-}" ]; then index_args=(--index-url "$DS_ENGINE_TORCH_INDEX"); fi
 echo "[setup] $venv: installing $torch_spec"
 "${pip[@]}" install -q "${index_args[@]}" "$torch_spec"
-if [ "$with_deepspeed" = 1 ]; then
-  echo "[setup] $venv: installing ds-engine[dev,deepspeed,peft,ray]"
-  "${pip[@]}" install -q -e ".[dev,deepspeed,peft,ray]"
-else
-  echo "[setup] $venv: installing ds-engine[dev,peft,ray] without DeepSpeed"
-  "${pip[@]}" install -q -e ".[dev,peft,ray]"
+echo "[setup] $venv: installing ds-engine[$extras]"
+"${pip[@]}" install -q -e ".[$extras]"
+if [ "$with_deepspeed" = 0 ]; then
   if "$venv/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
     "${pip[@]}" uninstall -q -y deepspeed
   fi
@@ -66,4 +78,4 @@ if get_accelerator().device_name() == "cpu":
 PY
 fi
 "$venv/bin/python" -c "import torch, ds_engine; print('[setup] ready:', '$venv', 'torch', torch.__version__, 'ds_engine', ds_engine.__version__)"
-echo "$want_hash" > "$stamp"
+printf '%s\n%s\n' "$want_hash" "$extras" > "$stamp"
