@@ -261,7 +261,9 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="the ZeRO-3 model is not built under zero.Init (the host holds it whole while loading)",
     )
     p.add_argument(
-        "--seq-len", type=int, help="tokens per sequence: adds the whole-peak column (with --micro-batch)"
+        "--seq-len",
+        type=int,
+        help="tokens per sequence: adds the whole-peak column (with --micro-batch; default: none, no column)",
     )
     p.add_argument(
         "--micro-batch", type=int, default=1, help="sequences per rank per micro-step (default: %(default)s)"
@@ -276,12 +278,15 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "(needs --seq-len and --budget; margin: --headroom)",
     )
     p.add_argument(
-        "--grad-accum", type=int, default=1, help="gradient accumulation steps, for the communication table"
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="gradient accumulation steps, for the communication table (default: %(default)s)",
     )
     p.add_argument(
         "--bandwidth",
         help="network bandwidth per rank, e.g. 100Gbps or 25GB/s: adds the time each stage's communication "
-        "takes per optimizer step",
+        "takes per optimizer step (default: none, bytes only)",
     )
     p.set_defaults(func=_run_estimate)
 

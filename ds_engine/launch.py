@@ -266,6 +266,10 @@ def worker_env(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> di
       otherwise binds the address the host name resolves to, which may be unreachable). On a real
       multi-node run it is left to the user, who knows which interface connects the nodes.
     * `DS_ENGINE_CONFIG`: the absolute path of `--config`, read by `Engine()`.
+    * `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` with an elastic `--nnodes MIN:MAX`: torchrun's shared
+      store publishes the workers' master address in the first round only, so a node that joins
+      a later round waits for it and fails after a minute; without sharing, every round
+      publishes it.
     """
     environ = os.environ if environ is None else environ
     added: dict[str, str] = {}
@@ -278,6 +282,8 @@ def worker_env(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> di
             added["GLOO_SOCKET_IFNAME"] = loopback
     if spec.config is not None:
         added[CONFIG_ENV] = str(resolve_config(spec.config))
+    if ":" in spec.nnodes and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return added
 
 
@@ -298,6 +304,10 @@ def _environment(added: Mapping[str, str]) -> Iterator[None]:
 # How a rank ends when it is the consequence of another rank's failure: SIGTERM is torchrun
 # stopping the survivors; SIGABRT is how c10d/gloo threads end a process whose peer vanished.
 _CONSEQUENTIAL_SIGNALS = {"SIGTERM": 2, "SIGABRT": 1}
+#: Seconds by which such a death must precede every other failure to be named as the cause: the
+#: failing rank's process may still be exiting (its traceback printed, its group torn down, which
+#: is what aborts its peers) when a peer's abort is recorded.
+_CONSEQUENCE_DELAY_S = 5
 
 
 def _how(failure: Any) -> str:
@@ -313,9 +323,11 @@ def _failure_message(exc: Exception) -> str:
     def order(rank: int) -> tuple[int, int, int]:
         failure = failures[rank]
         signal = failure.signal_name() if failure.exitcode < 0 else ""
-        # torchrun stamps failures in whole seconds, so ranks that die together tie; then
-        # name the one whose death is not the usual consequence of another's.
-        return failure.timestamp, _CONSEQUENTIAL_SIGNALS.get(signal, 0), rank
+        consequence = _CONSEQUENTIAL_SIGNALS.get(signal, 0)
+        # torchrun stamps failures in whole seconds, and a rank that raised is stamped when its
+        # process has exited, after the peers it aborted: name the failure that is not the usual
+        # consequence of another's unless that consequence came clearly first.
+        return failure.timestamp + (_CONSEQUENCE_DELAY_S if consequence else 0), consequence, rank
 
     rank, *others = sorted(failures, key=order)
     failure = failures[rank]

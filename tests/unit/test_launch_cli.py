@@ -155,6 +155,18 @@ def test_worker_env_leaves_the_interface_alone_across_machines(script: str) -> N
     assert "GLOO_SOCKET_IFNAME" not in worker_env(spec, environ={})
 
 
+def test_an_elastic_range_turns_off_torchruns_shared_rendezvous_store(script: str) -> None:
+    # with the shared store, a node joining a later round waits for a master address that only
+    # the first round published (tests/distributed/test_cluster_launch.py launches that case)
+    elastic = _spec(script, nnodes="1:2", rdzv_endpoint="127.0.0.1:29400")
+    assert worker_env(elastic, environ={})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(
+        elastic, environ={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    )
+    fixed = _spec(script, nnodes="2", rdzv_endpoint="127.0.0.1:29400")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(fixed, environ={})
+
+
 # ---------------------------------------------------------------- through the CLI (exit 2, one line)
 def test_cli_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["launch", "--nproc-per-node", "2", str(tmp_path / "absent.py"), "--lr", "1"])
@@ -193,9 +205,20 @@ def _failed(*ranks: tuple[int, int, int]):
 
 
 def test_failure_summary_names_the_rank_that_failed_first() -> None:
-    message = _failure_message(_failed((0, 1, 101), (1, -6, 100)))
+    message = _failure_message(_failed((0, 1, 110), (1, -6, 100)))
     assert message.startswith(
         "rank 1 (local rank 1) was killed by SIGABRT (also failed: rank 0 exited with code 1)"
+    )
+    message = _failure_message(_failed((0, 1, 101), (1, 1, 100)))
+    assert message.startswith("rank 1 (local rank 1) exited with code 1 (also failed: rank 0")
+
+
+def test_failure_summary_names_a_raising_rank_stamped_after_the_peer_it_aborted() -> None:
+    # rank 1 raised; tearing its group down at exit aborted rank 0, whose death torchrun
+    # stamped two seconds before rank 1's process had finished exiting
+    message = _failure_message(_failed((0, -6, 100), (1, 1, 102)))
+    assert message.startswith(
+        "rank 1 (local rank 1) exited with code 1 (also failed: rank 0 was killed by SIGABRT)"
     )
 
 
