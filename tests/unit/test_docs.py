@@ -91,3 +91,21 @@ def test_every_docs_snippet_names_the_complete_file_it_comes_from(page: Path) ->
         named = re.search(r"#\s*excerpt\b.*?((?:scripts|tests)/\S+\.py)", first)
         assert named, f"{page.name}: a python block does not start with '# excerpt of <file>': {first!r}"
         assert (ROOT / named.group(1)).is_file(), f"{page.name} names a missing file: {named.group(1)}"
+
+
+def test_the_package_map_names_every_module() -> None:
+    map_text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    package = ROOT / "ds_engine"
+    unnamed = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        relative = path.relative_to(package).as_posix()
+        folder = relative.split("/")[0] + "/" if "/" in relative else None
+        if (
+            f"`{relative}`" not in map_text
+            and f"`{path.name}`" not in map_text
+            and (folder is None or f"`{folder}`" not in map_text)
+        ):
+            unnamed.append(relative)
+    assert unnamed == [], f"docs/design.md's package map does not name: {unnamed}"
