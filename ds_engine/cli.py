@@ -120,6 +120,13 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
         help="model hidden size, for the auto bucket sizes (default: DeepSpeed's bucket sizes)",
     )
     p.add_argument(
+        "--for-trainer",
+        action="store_true",
+        help="a JSON for transformers.TrainingArguments(deepspeed=FILE): the values the HF Trainer fills "
+        "(batch sizes, accumulation, clipping, fp16/bf16, optimizer and scheduler values, bucket sizes) "
+        '"auto" (default: off, a JSON for ds_engine)',
+    )
+    p.add_argument(
         "--validate",
         metavar="FILE",
         default=None,
@@ -133,10 +140,17 @@ def _run_config(args: argparse.Namespace) -> int:
     import contextlib
 
     from ds_engine.config import ConfigError, EngineConfig, load_json_config
-    from ds_engine.ds_config import build_ds_config, validate_ds_config
+    from ds_engine.ds_config import build_ds_config, for_trainer, validate_ds_config
     from ds_engine.ds_schema import auto_keys
 
     template = args.micro_batch_size is None
+    if args.for_trainer and (args.validate is not None or not template):
+        flag = "--validate" if args.validate is not None else "--micro-batch-size"
+        raise CLIError(
+            f"`{flag}` with `--for-trainer`: the Trainer fills the batch sizes from its TrainingArguments "
+            f"and the JSON it gets is a template. HINT: drop {flag} (set per_device_train_batch_size in "
+            "TrainingArguments)"
+        )
     if args.validate is None and template:
         facts = (("--world-size", args.world_size), ("--hidden-size", args.hidden_size))
         given = [flag for flag, value in facts if value is not None]
@@ -166,13 +180,17 @@ def _run_config(args: argparse.Namespace) -> int:
             names = (*_CONFIG_CHOICES, *_CONFIG_FLAGS)
             choices = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
             try:
-                ds = build_ds_config(
-                    EngineConfig.from_dict(choices),
-                    world_size=args.world_size if args.world_size is not None else 1,
-                    base=args.base,
-                    micro_batch_size=args.micro_batch_size,
-                    hidden_size=args.hidden_size,
-                    resolve=not template,
+                ds = (
+                    for_trainer(EngineConfig.from_dict(choices), base=args.base)
+                    if args.for_trainer
+                    else build_ds_config(
+                        EngineConfig.from_dict(choices),
+                        world_size=args.world_size if args.world_size is not None else 1,
+                        base=args.base,
+                        micro_batch_size=args.micro_batch_size,
+                        hidden_size=args.hidden_size,
+                        resolve=not template,
+                    )
                 )
             except ConfigError as exc:  # every problem, still on the one error line, in flag terms
                 # a problem about the --base file names its JSON keys, which keep their names
@@ -188,7 +206,13 @@ def _run_config(args: argparse.Namespace) -> int:
                 raise CLIError(f"{len(shown)} configuration problems: {listed}") from None
     if args.validate is None:
         print(json.dumps(ds, indent=2))
-        if template:
+        if args.for_trainer:
+            print(
+                'note: for the Hugging Face Trainer: TrainingArguments(deepspeed="<this file>") fills its '
+                '"auto" values from the training arguments and the model',
+                file=sys.stderr,
+            )
+        elif template:
             print(
                 'note: no --micro-batch-size, so this is a template: its "auto" values are filled at prepare '
                 "(by ds_engine's Engine, or the Hugging Face Trainer)",
@@ -258,7 +282,8 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-zero-init",
         action="store_true",
-        help="the ZeRO-3 model is not built under zero.Init (the host holds it whole while loading)",
+        help="the ZeRO-3 model is not built under zero.Init (the host holds it whole while loading), as "
+        'Engine(zero_stage="auto") counts it',
     )
     p.add_argument(
         "--seq-len",
@@ -270,6 +295,13 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="layers recompute activations in backward"
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="what --budget is: one GPU's memory (cuda), or one CPU rank's (cpu: accelerator and host are "
+        "one memory, no CUDA context) (default: %(default)s)",
     )
     p.add_argument(
         "--recommend",
@@ -309,6 +341,7 @@ _ESTIMATE_FLAGS = {
     "world_size": "--gpus-per-node x --nodes",
     "activation_checkpointing": "--activation-checkpointing",
     "gradient_accumulation_steps": "--grad-accum",
+    "device": "--device",
 }
 
 
@@ -463,6 +496,7 @@ def _peaks(model: Any, args: argparse.Namespace, candidates: list) -> list:
                 optimizer=est.optimizer,
                 largest_layer_params=est.largest_layer_params,
                 zero_init=est.zero_init,
+                device=args.device,
             )
             for est in candidates
         ]
@@ -549,6 +583,8 @@ def _print_plan(model: Any, args: argparse.Namespace, budget: int | None) -> Non
             activation_checkpointing=args.activation_checkpointing,
             precision=args.precision,
             optimizer=args.optimizer,
+            device=args.device,
+            zero_init=not args.no_zero_init,
         )
     except ValueError as exc:
         raise CLIError(_in_flag_terms(str(exc), _ESTIMATE_FLAGS)) from None

@@ -56,6 +56,8 @@ from ds_engine.errors import fmt as _fmt
 
 Precision = Literal["fp32", "fp16", "bf16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
+OffloadChoice = Literal["none", "cpu", "nvme", "auto"]
+"""An offload choice: a device, or "auto" (chosen at `prepare` with the ZeRO stage: `auto_stage`)."""
 
 
 # --------------------------------------------------------------------------- EngineConfig
@@ -67,8 +69,10 @@ class EngineConfig:
     with `EngineConfig.from_dict`. Fields passed explicitly are recorded in `explicit_fields`.
     """
 
-    zero_stage: int = 0
-    """ZeRO stage 0-3 (0: data parallel, 1: optimizer states, 2: +gradients, 3: +parameters)."""
+    zero_stage: int | Literal["auto"] = 0
+    """ZeRO stage 0-3 (0: data parallel, 1: optimizer states, 2: +gradients, 3: +parameters), or
+    "auto": at `prepare`, the stage/offload with the least communication whose estimated peak fits
+    `memory_budget` (needs `seq_len`; see `ds_engine.auto_stage` and docs/memory.md)."""
     precision: Precision = "fp32"
     """Training precision: fp32, fp16 (dynamic or static loss scaling) or bf16."""
     gradient_accumulation_steps: int = 1
@@ -78,10 +82,11 @@ class EngineConfig:
     micro_batch_size: int | Literal["auto"] = "auto"
     """Per-rank micro batch size; "auto" takes it from the dataloader or the builder argument."""
 
-    offload_optimizer: OffloadDevice = "none"
-    """Where optimizer states live: none (accelerator), cpu (ZeRO 1-3), nvme (ZeRO-3 only)."""
-    offload_params: OffloadDevice = "none"
-    """Where parameters live between uses: none, cpu or nvme (ZeRO-3 only)."""
+    offload_optimizer: OffloadChoice = "none"
+    """Where optimizer states live: none (accelerator), cpu (ZeRO 1-3), nvme (ZeRO-3 only), or
+    "auto" (chosen at `prepare`; the default follows the plan when `zero_stage` is "auto")."""
+    offload_params: OffloadChoice = "none"
+    """Where parameters live between uses: none, cpu or nvme (ZeRO-3 only), or "auto" (as above)."""
     nvme_path: str | None = None
     """Folder for NVMe offload swap files; required when any offload device is nvme."""
     pin_memory: bool = True
@@ -147,6 +152,15 @@ class EngineConfig:
     seconds counts as a hang: every rank prints its stack and what the others were doing, and the
     run stops with status 124 (see docs/reliability.md). 0 turns the watchdog off."""
 
+    seq_len: int | None = None
+    """Engine only, for "auto" choices: tokens per sequence (the longest a batch holds)."""
+    memory_budget: int | str | None = None
+    """Engine only, for "auto" choices: memory per accelerator, bytes or a size such as "40GB" or
+    "79GiB"; None: the CUDA device's total memory (a CPU run must give it)."""
+    memory_margin: float = 0.2
+    """Engine only, for "auto" choices: the fraction of `memory_budget` kept free (the estimated
+    peak times 1 + margin must fit), as `ds-engine estimate --headroom`."""
+
     _explicit: frozenset[str] | None = field(default=None, repr=False, compare=False)
     """Internal: fields passed explicitly (see `explicit_fields`); never pass it yourself."""
 
@@ -199,13 +213,13 @@ class EngineChoices(TypedDict, total=False):
     `tests/unit/test_config.py` keeps the two lists equal.
     """
 
-    zero_stage: int
+    zero_stage: int | Literal["auto"]
     precision: Precision
     gradient_accumulation_steps: int
     gradient_clipping: float
     micro_batch_size: int | Literal["auto"]
-    offload_optimizer: OffloadDevice
-    offload_params: OffloadDevice
+    offload_optimizer: OffloadChoice
+    offload_params: OffloadChoice
     nvme_path: str | None
     pin_memory: bool
     loss_scale: float
@@ -234,6 +248,9 @@ class EngineChoices(TypedDict, total=False):
     max_consecutive_skipped_steps: int
     dist_timeout_s: int
     hang_timeout_s: int
+    seq_len: int | None
+    memory_budget: int | str | None
+    memory_margin: float
 
 
 def _unknown_key_error(key: str, valid: tuple[str, ...], what: str) -> ConfigError:
@@ -486,6 +503,7 @@ __all__ = [
     "EngineChoices",
     "EngineConfig",
     "JsonSource",
+    "OffloadChoice",
     "OffloadDevice",
     "Precision",
     "ResolvedConfig",

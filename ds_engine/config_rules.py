@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ds_engine import ds_blocks
-from ds_engine._values import AUTO, _is_int, _is_number
+from ds_engine._values import AUTO, _is_int, _is_number, parse_size
 from ds_engine.ds_schema import OFFLOAD_DEVICES, STEPS_PER_PRINT_OFF, json_problems
 from ds_engine.errors import ConfigError, config_error, first_key, raise_problems
 from ds_engine.errors import fmt as _fmt
@@ -68,6 +68,22 @@ def _choice_check(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return check
 
 
+def _budget_check(v: Any) -> str | None:
+    if v is None or (_is_int(v) and v >= 1):
+        return None
+    if isinstance(v, str):
+        try:
+            parse_size(v)
+            return None
+        except ValueError:
+            pass
+    return 'bytes (an integer >= 1) or a size such as "40GB" or "79GiB" (or unset)'
+
+
+def _optional_int_check(v: Any) -> str | None:
+    return None if v is None or (_is_int(v) and v >= 1) else "an integer >= 1 (or unset)"
+
+
 def _bool_check(v: Any) -> str | None:
     return None if isinstance(v, bool) else "true or false"
 
@@ -88,13 +104,13 @@ def _block_check(v: Any) -> str | None:
 
 #: EngineConfig field -> its check: None when a value is allowed, else what is allowed.
 FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "zero_stage": _int_check(0, 3),
+    "zero_stage": _int_check(0, 3, auto=True),
     "precision": _choice_check(PRECISIONS),
     "gradient_accumulation_steps": _int_check(1),
     "gradient_clipping": _float_check(0.0),
     "micro_batch_size": _int_check(1, auto=True),
-    "offload_optimizer": _choice_check(OFFLOAD_DEVICES),
-    "offload_params": _choice_check(OFFLOAD_DEVICES),
+    "offload_optimizer": _choice_check((*OFFLOAD_DEVICES, AUTO)),
+    "offload_params": _choice_check((*OFFLOAD_DEVICES, AUTO)),
     "nvme_path": _optional_str_check,
     "pin_memory": _bool_check,
     "loss_scale": _float_check(0.0),
@@ -123,9 +139,22 @@ FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "max_consecutive_skipped_steps": _int_check(0),
     "dist_timeout_s": _int_check(1),
     "hang_timeout_s": _int_check(0),
+    "seq_len": _optional_int_check,
+    "memory_budget": _budget_check,
+    "memory_margin": _float_check(0.0),
 }
 
-_FLOAT_FIELDS = frozenset({"gradient_clipping", "loss_scale", "min_loss_scale"})
+_FLOAT_FIELDS = frozenset({"gradient_clipping", "loss_scale", "min_loss_scale", "memory_margin"})
+#: Fields whose "auto" is a choice made at `prepare` (`auto_stage`): an "auto" in a DeepSpeed JSON
+#: for them is filled by the choice instead, as before.
+_CHOSEN_AT_PREPARE = frozenset({"zero_stage", "offload_optimizer", "offload_params"})
+_JSON_CHECKS = {
+    "zero_stage": _int_check(0, 3),
+    "offload_optimizer": _choice_check(OFFLOAD_DEVICES),
+    "offload_params": _choice_check(OFFLOAD_DEVICES),
+}
+#: Fields only the "auto" stage/offload choice reads.
+AUTO_STAGE_FIELDS = ("seq_len", "memory_budget", "memory_margin")
 
 
 def check_field(name: str, value: Any, *, key: str | None = None, where: str = "") -> Any:
@@ -140,7 +169,8 @@ def check_field(name: str, value: Any, *, key: str | None = None, where: str = "
     Raises:
         ConfigError: The value is not allowed for the field.
     """
-    problem = FIELD_CHECKS[name](value)
+    from_json = key is not None and key != name  # a DeepSpeed JSON's stage and devices are never "auto"
+    problem = (_JSON_CHECKS.get(name, FIELD_CHECKS[name]) if from_json else FIELD_CHECKS[name])(value)
     if problem is not None:
         shown = key or name
         raise config_error(shown, value, f"expected {problem}", f"set `{shown}` to {problem}", where=where)
@@ -157,7 +187,7 @@ class Choices(Protocol):
     """What the cross-field rules read of the choices (an `EngineConfig`)."""
 
     @property
-    def zero_stage(self) -> int: ...
+    def zero_stage(self) -> int | str: ...
     @property
     def precision(self) -> str: ...
     @property
@@ -250,7 +280,10 @@ def combination_problems(cfg: Choices, shown: Mapping[str, str] | None = None) -
         return names.get(field, field)
 
     stage = cfg.zero_stage
-    out = _offload_stage_rules(stage, cfg.offload_optimizer, cfg.offload_params, names)
+    out = _auto_rules(cfg)
+    if stage != AUTO:  # "auto" picks a stage that fits the offloads (auto_stage)
+        devices = ["none" if d == AUTO else d for d in (cfg.offload_optimizer, cfg.offload_params)]
+        out += _offload_stage_rules(int(stage), devices[0], devices[1], names)
     for name in ("offload_optimizer", "offload_params"):
         out += _nvme_path_rule(name, getattr(cfg, name), cfg.nvme_path, names)
 
@@ -272,7 +305,7 @@ def combination_problems(cfg: Choices, shown: Mapping[str, str] | None = None) -
                 f"`{k(name)}` = true has no effect while `activation_checkpointing` = false. "
                 "HINT: set activation_checkpointing=True",
             )
-    if stage != 3:
+    if stage not in (3, AUTO):
         for name in _STAGE3_FIELDS:
             if name in cfg.explicit_fields:
                 problem(
@@ -288,6 +321,31 @@ def combination_problems(cfg: Choices, shown: Mapping[str, str] | None = None) -
                     f'`{name}` = {_fmt(getattr(cfg, name))} applies only to precision "fp16", got '
                     f'`precision` = {_fmt(cfg.precision)}. HINT: drop `{name}` or set precision="fp16"',
                 )
+    return out
+
+
+def _auto_rules(cfg: Choices) -> list[Problem]:
+    """An "auto" stage or offload needs `seq_len`; the planner never chooses NVMe (a stage for it
+    must be given). (`auto_stage.settle` refuses the budget fields without an "auto".)"""
+    autos = [n for n in ("zero_stage", "offload_optimizer", "offload_params") if getattr(cfg, n) == AUTO]
+    out: list[Problem] = []
+    if autos and getattr(cfg, "seq_len", None) is None:
+        out.append(
+            (
+                frozenset({autos[0], "seq_len"}),
+                f'`{autos[0]}` = "auto" needs `seq_len` (tokens per sequence) to estimate the activations, '
+                "got none. HINT: pass seq_len=<the longest sequence a batch holds>, e.g. seq_len=2048",
+            )
+        )
+    nvme = [n for n in ("offload_optimizer", "offload_params") if getattr(cfg, n) == "nvme"]
+    if cfg.zero_stage == AUTO and nvme:
+        out.append(
+            (
+                frozenset({"zero_stage", nvme[0]}),
+                f'`{nvme[0]}` = "nvme" with `zero_stage` = "auto": the planner does not consider NVMe '
+                "offload (it needs ZeRO-3). HINT: set zero_stage=3",
+            )
+        )
     return out
 
 
@@ -511,7 +569,7 @@ def base_values(
             value = _get(base, key)
             if value is _MISSING:
                 continue
-            if value == AUTO and FIELD_CHECKS[name](AUTO) is not None:
+            if value == AUTO and (FIELD_CHECKS[name](AUTO) is not None or name in _CHOSEN_AT_PREPARE):
                 break  # "auto" for a field that cannot be auto: filled by the choice
             if name == "steps_per_print" and _is_int(value) and value >= STEPS_PER_PRINT_OFF:
                 value = 0
@@ -557,6 +615,7 @@ def equal(a: Any, b: Any) -> bool:
 
 
 __all__ = [
+    "AUTO_STAGE_FIELDS",
     "BASE_KEYS",
     "FIELD_CHECKS",
     "PRECISIONS",

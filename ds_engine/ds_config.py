@@ -166,7 +166,8 @@ def deepspeed_bucket_fallbacks(
     """
     zero_base = (base or {}).get("zero_optimization")
     written = set(zero_base) if isinstance(zero_base, Mapping) else set()
-    stage = config.zero_stage if zero_stage is None else zero_stage
+    given = config.zero_stage if zero_stage is None else zero_stage
+    stage = given if isinstance(given, int) else 0  # "auto" is decided before anything is rendered
     return {
         key: value
         for key, value in DEEPSPEED_BUCKET_DEFAULTS.items()
@@ -327,6 +328,12 @@ def render_ds_config(
     base_dict = normalized(resolved.base or {})
     cfg = resolved.effective
     pending = resolved.pending_problems
+    autos = [n for n in ("zero_stage", "offload_optimizer", "offload_params") if getattr(cfg, n) == AUTO]
+    if autos:  # the Engine decides these at prepare (ds_engine.auto_stage), before rendering
+        raise ConfigError(
+            f'`{autos[0]}` = "auto" is decided at `prepare` from the model; a DeepSpeed JSON needs a stage. '
+            'HINT: pass zero_stage=0..3 (`ds-engine estimate --recommend` prints what "auto" would choose)'
+        )
     if preset:
         out = _render(cfg, base_dict, preset=True)
         raise_problems(facts, validate_ds_config(out, world_size=ws, partial=True), pending)
@@ -375,6 +382,52 @@ def render_ds_config(
         out["managed_gradient_accumulation"] = False
     problems += [leftover_problem(k) for k in leftover_autos(out)]
     raise_problems(problems, validate_ds_config(out, world_size=world_size), pending)
+    return out
+
+
+#: What the Hugging Face Trainer fills from `TrainingArguments` (`trainer_config_process`): a JSON
+#: for it leaves these "auto", and the choices that set them belong to `TrainingArguments`.
+TRAINER_FILLS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_clipping", "precision")
+_TRAINER_OPTIMIZER = {"type": "AdamW", "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), AUTO)}
+_TRAINER_SCHEDULER = {
+    "type": "WarmupDecayLR",  # TrainingArguments' default schedule: linear warm-up, linear decay
+    "params": dict.fromkeys(("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), AUTO),
+}
+
+
+def for_trainer(config: EngineConfig | None = None, *, base: JsonSource | None = None) -> dict[str, Any]:
+    """A DeepSpeed JSON for `transformers.TrainingArguments(deepspeed=path)`: the stage, offload and
+    other choices written, and every value the Trainer fills left "auto": batch sizes, gradient
+    accumulation, clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay and the
+    scheduler's warm-up and total steps (an AdamW / WarmupDecayLR block unless the choices or
+    `base` have their own), and the bucket sizes it sizes from the model's hidden size
+    (`reduce_bucket_size`; under ZeRO-3 also `stage3_prefetch_bucket_size`,
+    `stage3_param_persistence_threshold`) unless chosen.
+
+    Raises:
+        ConfigError: A choice the Trainer owns (`TRAINER_FILLS`: set it in TrainingArguments), and
+            every problem `build_ds_config` finds.
+    """
+    config = config if config is not None else EngineConfig()
+    owned = [name for name in TRAINER_FILLS if name in config.explicit_fields]
+    if owned:
+        raise ConfigError(
+            f"`{owned[0]}` = {getattr(config, owned[0])!r} is filled by the Hugging Face Trainer from its "
+            "TrainingArguments in a JSON written for it. HINT: drop it here and set it in TrainingArguments "
+            "(per_device_train_batch_size, max_grad_norm, bf16 or fp16, the accumulation steps)"
+        )
+    out = build_ds_config(config, world_size=1, base=base, resolve=False)
+    out.setdefault("optimizer", copy.deepcopy(_TRAINER_OPTIMIZER))
+    out.setdefault("scheduler", copy.deepcopy(_TRAINER_SCHEDULER))
+    zero = out["zero_optimization"]
+    sized = ("reduce_bucket_size",) + (
+        ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold") if zero["stage"] == 3 else ()
+    )
+    for key in sized if zero["stage"] >= 1 else ():
+        if key not in config.explicit_fields:
+            zero.setdefault(key, AUTO)
+    if zero["stage"] == 3:  # the Trainer's save_model gathers the 16-bit weights with it
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
     return out
 
 
@@ -434,7 +487,7 @@ def _render(cfg: EngineConfig, base: Mapping[str, Any], *, preset: bool) -> dict
             return
         d[key] = _num(value) if isinstance(value, float) else value
 
-    stage = cfg.zero_stage
+    stage = int(cfg.zero_stage)  # never "auto" here: render_ds_config refuses it
     micro = val("micro_batch_size")
     if preset:
         put(out, "train_batch_size", AUTO)
@@ -615,11 +668,13 @@ __all__ = [
     "PRESETS",
     "PRESETS_DIR",
     "TOP_LEVEL_KEYS",
+    "TRAINER_FILLS",
     "ZERO_KEYS",
     "block_problems",
     "build_ds_config",
     "check_engine_arguments",
     "deepspeed_bucket_fallbacks",
+    "for_trainer",
     "hidden_size_from_model",
     "load_base",
     "preset_choices",

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from ds_engine import process_group, watchdog
 from ds_engine._console import quiet_console
 from ds_engine._values import env_int
+from ds_engine.auto_stage import settle as settle_auto
 from ds_engine.auto_values import filled_auto_blocks
 from ds_engine.backends import select_backend
 from ds_engine.boundary import BoundaryPolicy
@@ -109,7 +110,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
         self._backend = backend_cls(resolved)
-        self.config: EngineConfig = self._backend.effective
+        self.config: EngineConfig = settle_auto(self._backend)  # the fallback's "auto" is ZeRO-0
         """The effective high-level choices (after merging the JSON)."""
         unhonoured = self._backend.unhonoured_choices()
         if unhonoured:
@@ -454,6 +455,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             return self._prepare_scheduler_alone(schedulers[0])
         if models and optimizers:
             check_optimizer_parameters(models[0], optimizers[0], caller=self._caller)
+        if models:  # an "auto" stage/offload, decided from the model before any process group
+            first = [next(iter(found), None) for found in (optimizers, loaders)]
+            self.config = settle_auto(self._backend, models[0], *first)
         self._backend.setup_distributed()
         prepared: dict[int, Any] = {}
         for loader in loaders:

@@ -529,7 +529,8 @@ def choose_zero_stage(
 
     Set-ups are tried in `PLAN_ORDER`: ZeRO-0 < 1 < 2 < 3 < 3 + optimizer offload < 3 + optimizer
     and parameter offload (each later one communicates more or moves work to the CPU). One fits
-    when `estimate_peak(...).accelerator_total * (1 + margin)` is at most `budget_bytes`.
+    when `estimate_peak(...).per_rank_total * (1 + margin)` is at most `budget_bytes` (on a GPU the
+    accelerator's peak; with device="cpu" accelerator and host are one memory, so offload saves none).
 
     Args:
         model: the user's model object (an `nn.Module`, peft model), config, folder or count.
@@ -561,17 +562,17 @@ def choose_zero_stage(
         for st, oo, op in PLAN_ORDER
     )
     factor = 1 + margin
-    fitting = [c for c in candidates if c.accelerator_total * factor <= budget]
+    fitting = [c for c in candidates if c.per_rank_total * factor <= budget]
     if not fitting:
         raise ValueError(_nothing_fits(model, candidates, budget, margin, common))
     choice = fitting[0]
     runner_up = fitting[1] if len(fitting) > 1 else None
     skipped = candidates[: candidates.index(choice)]
     line = (
-        f"{choice.states.label}: peak {format_bytes(choice.accelerator_total)} per accelerator fits "
+        f"{choice.states.label}: peak {format_bytes(choice.per_rank_total)} per {_unit(choice)} fits "
         f"{format_bytes(budget)} with a {margin:.0%} margin (least communication that fits"
         + (
-            f"; {skipped[-1].states.label} needs {format_bytes(skipped[-1].accelerator_total)}"
+            f"; {skipped[-1].states.label} needs {format_bytes(skipped[-1].per_rank_total)}"
             if skipped
             else ""
         )
@@ -592,8 +593,8 @@ def _nothing_fits(
     model: ModelLike, candidates: tuple[PeakEstimate, ...], budget: float, margin: float, common: dict
 ) -> str:
     """Why no set-up fits, and what would: a budget, checkpointing, micro batch 1, more ranks."""
-    best = min(candidates, key=lambda c: c.accelerator_total)
-    ideas = [f"a budget of {format_bytes(best.accelerator_total * (1 + margin))}"]
+    best = min(candidates, key=lambda c: c.per_rank_total)
+    ideas = [f"a budget of {format_bytes(best.per_rank_total * (1 + margin))}"]
     world = common["world_size"]
     for change, text in (
         ({"activation_checkpointing": True}, "activation_checkpointing=True"),
@@ -605,14 +606,18 @@ def _nothing_fits(
         tried = estimate_peak(
             model, zero_stage=3, offload_optimizer="cpu", offload_params="cpu", **{**common, **change}
         )
-        if tried.accelerator_total * (1 + margin) <= budget:
+        if tried.per_rank_total * (1 + margin) <= budget:
             ideas.append(text)
     return (
-        f"no ZeRO stage/offload fits {format_bytes(budget)} per accelerator with a {margin:.0%} margin at "
+        f"no ZeRO stage/offload fits {format_bytes(budget)} per {_unit(best)} with a {margin:.0%} margin at "
         f"micro_batch={common['micro_batch']}, seq_len={common['seq_len']}, world_size={world}: the "
-        f"smallest peak is {best.states.label} at {format_bytes(best.accelerator_total)}. "
+        f"smallest peak is {best.states.label} at {format_bytes(best.per_rank_total)}. "
         "HINT: what would fit: " + " or ".join(ideas)
     )
+
+
+def _unit(peak: PeakEstimate) -> str:
+    return "rank" if peak.device == "cpu" else "accelerator"
 
 
 def communication_per_step(

@@ -80,7 +80,7 @@ class AccelerateBackend(Backend):
 
     def _wants_fsdp(self) -> bool:
         """ZeRO-2/3 with more than one process: sharding is worth asking accelerate for."""
-        return self.effective.zero_stage >= 2 and env_int("WORLD_SIZE", 1, minimum=1) > 1
+        return int(self.effective.zero_stage) >= 2 and env_int("WORLD_SIZE", 1, minimum=1) > 1
 
     def _fsdp_plugin(self) -> Any:
         """The FSDP2 plugin that mirrors the ZeRO stage (and CPU offload) of the config."""
@@ -91,7 +91,7 @@ class AccelerateBackend(Backend):
             fsdp_version=2,
             # ZeRO-3 re-shards parameters after forward (FULL_SHARD); ZeRO-2 keeps them
             # gathered until backward (SHARD_GRAD_OP). Gradients/optimizer states are sharded.
-            reshard_after_forward=eff.zero_stage >= 3,
+            reshard_after_forward=int(eff.zero_stage) >= 3,
             cpu_offload="cpu" in (eff.offload_params, eff.offload_optimizer),
             # one FSDP unit per transformer block (`_no_split_modules`); the root otherwise
             auto_wrap_policy="transformer_based_wrap",
@@ -192,7 +192,7 @@ class AccelerateBackend(Backend):
                 "zero_stage=1: runs as DDP, every rank holds full optimizer states (FSDP has no "
                 "optimizer-only sharding)"
             )
-        elif eff.zero_stage >= 2 and not fsdp:
+        elif int(eff.zero_stage) >= 2 and not fsdp:
             why = (
                 "accelerate offers FSDP only on GPUs"
                 if not self._platform_offers_fsdp()

@@ -273,7 +273,7 @@ class DeepSpeedBackend(Backend):
         """
         if hidden_size_from_model(model) is not None:
             return self.resolved
-        fill = deepspeed_bucket_fallbacks(self.config, self.base, zero_stage=self.effective.zero_stage)
+        fill = deepspeed_bucket_fallbacks(self.config, self.base, zero_stage=int(self.effective.zero_stage))
         return self.resolved.with_effective(**fill) if fill else self.resolved
 
     def _maybe_offload_optimizer(

@@ -286,8 +286,8 @@ def test_engine_config_reports_every_bad_choice_unknown_names_first() -> None:
         EngineConfig(zero_stage=5, precision="fp8", gradient_clip=1.0, micro_batch_size=0)
     assert info.value.problems == (
         "`gradient_clip` is not a known EngineConfig field. HINT: did you mean `gradient_clipping`?",
-        "`zero_stage` = 5 is invalid: expected an integer in 0..3. "
-        "HINT: set `zero_stage` to an integer in 0..3",
+        '`zero_stage` = 5 is invalid: expected an integer in 0..3 or "auto". '
+        'HINT: set `zero_stage` to an integer in 0..3 or "auto"',
         '`precision` = "fp8" is invalid: expected one of fp32, fp16, bf16. '
         "HINT: set `precision` to one of fp32, fp16, bf16",
         '`micro_batch_size` = 0 is invalid: expected an integer >= 1 or "auto". '

@@ -194,6 +194,7 @@ ENGINE_MODULES = [
     "process_group",
     "guards",
     "auto_values",
+    "auto_stage",
     "step_state",
     "scheduler",
     "dataloader",
@@ -216,3 +217,6 @@ def test_the_boundary_policy_and_the_process_group_stand_alone():
     assert not _ds_engine_imports(PACKAGE / "process_group.py") - {"process_group"}
     assert not _ds_engine_imports(PACKAGE / "engine_env.py") - {"engine_env"}
     assert _ds_engine_imports(PACKAGE / "auto_values.py") - {"auto_values"} == set()
+    # the "auto" stage decision: the estimator and the config line, nothing of the Engine or a backend
+    allowed = {"memory", "config", "config_rules", "errors", "_values"}
+    assert _ds_engine_imports(PACKAGE / "auto_stage.py") - {"auto_stage"} <= allowed
