@@ -285,7 +285,7 @@ class AutoSaver:
             return False  # no optimizer step since the last look: no collective
         if not engine.sync_gradients or engine.has_unapplied_gradients:
             return False
-        if index + 1 >= len(loader):
+        if index + 1 >= loader.known_len():
             return False  # an epoch's last batch: the code after the inner loop runs first
         # every loader in progress is at a batch a micro-step trained on (not inside an evaluation
         # loop over another prepared loader): their positions are then exactly "batches consumed"

@@ -24,7 +24,9 @@ class Loader(Protocol):
 
     batch_index: int
 
-    def __len__(self) -> int: ...
+    def known_len(self) -> int:
+        """Batches in the loader's epoch as far as known (a stream's, once its end is in sight)."""
+        ...
 
     def keep_position(self, next_batch: int) -> None: ...
 
@@ -87,7 +89,7 @@ class BoundaryPolicy:
         if loader in self.loaders_in_progress:
             self.loaders_in_progress.remove(loader)
         start = self.loader_marks.pop(id(loader), None)
-        finished = loader.batch_index == len(loader)  # not a `break` or an exception
+        finished = loader.batch_index == loader.known_len()  # not a `break` or an exception
         trained = self.trained_batch.pop(id(loader), None)
         if not finished and trained is not None:
             # the loop was left after training on batch `trained`: a checkpoint saved now resumes
@@ -102,7 +104,7 @@ class BoundaryPolicy:
             # At GA=1 gradients add up until `step()` (hand-written accumulation); a whole
             # epoch of `backward` without one optimizer step is a loop that never trains.
             raise RuntimeError(
-                f"a whole pass over a prepared dataloader ({len(loader)} micro-steps) called "
+                f"a whole pass over a prepared dataloader ({loader.known_len()} micro-steps) called "
                 "`engine.backward` but never `optimizer.step()`: its gradients were accumulated and "
                 "never applied. HINT: call `optimizer.step()` and `optimizer.zero_grad()` after "
                 "`engine.backward(loss)` (every micro-step, or every N micro-steps when you "
@@ -146,7 +148,7 @@ class BoundaryPolicy:
             self.trained_batch[id(in_progress)] = in_progress.batch_index
         loader = self.loaders_in_progress[-1] if self.loaders_in_progress else None
         if loader is not None:
-            index, length = loader.batch_index, len(loader)
+            index, length = loader.batch_index, loader.known_len()
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start

@@ -129,10 +129,9 @@ class EngineMetrics:
         self._refuse_if_ended("gather_for_metrics(...)")
         gathered = self.gather(data)
         loader = self._boundary.current_loader
-        if loader is None or loader.batch_index != len(loader) - 1:
+        remaining = None if loader is None else loader.last_batch_real_samples()
+        if remaining is None:
             return gathered
-        seen = loader.batch_index * loader.batch_size * self.num_processes
-        remaining = loader.num_samples - seen
         return map_tensors(gathered, lambda t: t[:remaining] if t.dim() > 0 else t)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:

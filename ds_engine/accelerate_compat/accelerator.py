@@ -457,9 +457,7 @@ class Accelerator(Engine):
     def _remaining_samples(self) -> int | None:
         """Real samples in the gathered last batch of the loader in progress (None mid-epoch)."""
         loader = self.current_loader
-        if loader is None or loader.batch_index != len(loader) - 1:
-            return None
-        return loader.num_samples - loader.batch_index * loader.batch_size * self.num_processes
+        return None if loader is None else loader.last_batch_real_samples()
 
     def _join_group(self, call: str) -> None:
         """Form (or join) the process group accelerate's collectives use; after `end_training` the

@@ -20,6 +20,9 @@ class FakeLoader:
     def __len__(self) -> int:
         return self.length
 
+    def known_len(self) -> int:
+        return self.length
+
     def keep_position(self, next_batch: int) -> None:
         self.kept = next_batch
 

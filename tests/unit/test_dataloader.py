@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -95,20 +94,20 @@ def test_epoch_advances_automatically_and_set_epoch_pins_it():
     assert [b[0].squeeze(1).tolist() for b in loader] == first
 
 
-def test_iterable_dataset_is_refused_with_a_hint():
+def test_iterable_dataset_is_sharded_not_refused():
     class Stream(IterableDataset):
         def __iter__(self):
             yield from range(3)
 
-    with pytest.raises(ValueError, match="IterableDataset"):
-        PreparedDataLoader(
-            DataLoader(Stream(), batch_size=1),
-            num_replicas=1,
-            rank=0,
-            device=torch.device("cpu"),
-            on_batch=lambda *a: None,
-            on_end=lambda *a: None,
-        )
+    loader = PreparedDataLoader(
+        DataLoader(Stream(), batch_size=1),
+        num_replicas=1,
+        rank=0,
+        device=torch.device("cpu"),
+        on_batch=lambda *a: None,
+        on_end=lambda *a: None,
+    )
+    assert loader.kind == "stream" and [b.tolist() for b in loader] == [[0], [1], [2]]
 
 
 def test_move_to_device_keeps_structure():

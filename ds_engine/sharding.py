@@ -1,0 +1,266 @@
+"""How a prepared dataloader's batches are cut across ranks: one global order, the same number
+of batches on every rank, padding only at the end of an epoch.
+
+One rule per shape of data (`ds_engine.dataloader.PreparedDataLoader` picks it):
+
+- A sampler of indices and a ``batch_size`` (`ShardedBatchSampler`): the sampler's order is cut
+  into global batches of ``batch_size * num_replicas`` samples; rank ``r`` takes the ``r``-th
+  slice of each. The last global batch is completed by cycling from the start of the epoch.
+- A batch sampler of whole batches (`BatchSamplerShard`, for length-grouped or bucketing
+  samplers): whole batches go to the ranks round robin, as accelerate's ``BatchSamplerShard``
+  does; the last round is completed by repeating the epoch's first batches (``drop_last`` on the
+  batch sampler drops the incomplete round instead).
+- A stream (`shard_stream`, for an ``IterableDataset``): every rank reads the whole stream and
+  keeps its slice of each global batch, as accelerate's ``IterableDatasetShard`` does; the last
+  global batch is completed from the stream's first samples. `StreamWindows` reads it one
+  accumulation window (and one batch) ahead and has the ranks agree on how many batches are
+  left, so every rank ends the epoch at the same batch and knows its last window's length.
+
+In every case the padding sits at the end of the gathered, rank-ordered last batch, so
+`gather_for_metrics` drops it by keeping that batch's real samples (`real_samples`).
+Nothing here talks to other processes; `StreamWindows` is given the agreement as a function.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["UNKNOWN_LENGTH", "BatchSamplerShard", "ShardedBatchSampler", "StreamWindows", "shard_stream"]
+
+UNKNOWN_LENGTH = sys.maxsize
+"""The length of an epoch whose end has not been seen yet (a stream)."""
+
+T = TypeVar("T")
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches: slice `rank` of every global batch, padded at the end."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        index_sampler: Sampler | None = None,
+    ) -> None:
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.index_sampler = index_sampler  # a custom user sampler, used as is
+        self.epoch = 0
+        self.skip_batches = 0
+
+    def _order(self) -> list[int]:
+        if self.index_sampler is not None:
+            return list(self.index_sampler)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(self.num_samples, generator=generator).tolist()
+        return list(range(self.num_samples))
+
+    def __len__(self) -> int:
+        global_batch = self.batch_size * self.num_replicas
+        if self.drop_last:
+            return self.num_samples // global_batch
+        return math.ceil(self.num_samples / global_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        global_batch = self.batch_size * self.num_replicas
+        total = len(self) * global_batch
+        if total > len(order) and order:
+            order = order + [order[i % len(order)] for i in range(total - len(order))]
+        for b in range(self.skip_batches, len(self)):
+            start = b * global_batch + self.rank * self.batch_size
+            yield order[start : start + self.batch_size]
+
+    def real_samples(self, batch: int) -> int:
+        """Samples of global batch `batch` (all ranks) that are not padding."""
+        global_batch = self.batch_size * self.num_replicas
+        return max(0, min(global_batch, self.num_samples - batch * global_batch))
+
+
+class BatchSamplerShard(Sampler[list[int]]):
+    """Whole batches of a user's batch sampler to the ranks round robin.
+
+    Global batch ``b`` is the user's batches ``b * num_replicas ... b * num_replicas + W - 1``;
+    rank ``r`` takes the ``r``-th of them. Every rank gets ``ceil(batches / W)`` batches: the
+    last round is completed by the epoch's first batches (``floor(batches / W)`` with
+    ``drop_last``: the incomplete round is dropped). Each pass iterates the user's sampler
+    once (after its ``set_epoch(epoch)`` when it has one), so its batches must be the same on
+    every rank: a deterministic order, or one drawn from a seed and the epoch.
+
+    Args:
+        batch_sampler: The user's batch sampler (an iterable of lists of indices).
+        num_replicas: The number of ranks.
+        rank: This rank.
+        drop_last: Drop the last incomplete round instead of padding it.
+    """
+
+    def __init__(
+        self, batch_sampler: Iterable[Any], *, num_replicas: int, rank: int, drop_last: bool
+    ) -> None:
+        self.batch_sampler = batch_sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.seed = 0
+        self.epoch = 0
+        self.skip_batches = 0
+        self._batches: tuple[int, list[list[int]]] | None = None
+
+    def epoch_batches(self, *, fresh: bool = False) -> list[list[int]]:
+        """The user's batches of this epoch (drawn once per pass: `fresh` at a pass's start)."""
+        if fresh or self._batches is None or self._batches[0] != self.epoch:
+            set_epoch = getattr(self.batch_sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+            self._batches = (self.epoch, [list(batch) for batch in self.batch_sampler])
+        return self._batches[1]
+
+    def num_batches(self) -> int:
+        """The user's batches per epoch (its `len` when it has one)."""
+        try:
+            return len(self.batch_sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return len(self.epoch_batches())
+
+    @property
+    def num_samples(self) -> int:
+        """Indices in one epoch's batches (without padding)."""
+        return sum(len(batch) for batch in self.epoch_batches())
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_batches() // self.num_replicas
+        return math.ceil(self.num_batches() / self.num_replicas)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.epoch_batches(fresh=True)
+        for b in range(self.skip_batches, len(self)):
+            i = b * self.num_replicas + self.rank
+            yield batches[i % len(batches)]
+
+    def real_samples(self, batch: int) -> int:
+        """Indices of round `batch` (all ranks) that are not padding."""
+        batches = self.epoch_batches()
+        first = batch * self.num_replicas
+        return sum(len(b) for b in batches[first : min(len(batches), first + self.num_replicas)])
+
+
+def shard_stream(
+    items: Iterable[Any],
+    *,
+    batch_size: int,
+    num_replicas: int,
+    rank: int,
+    drop_last: bool,
+    skip_batches: int = 0,
+    size: Callable[[Any], int] | None = None,
+) -> Iterator[tuple[list[Any], int]]:
+    """This rank's slice of each global batch of a stream, as accelerate's ``IterableDatasetShard``.
+
+    Every rank reads every item: the stream's order is cut into global batches of
+    ``batch_size * num_replicas`` items, rank ``r`` keeps items ``r * batch_size ...`` of each.
+    An incomplete last global batch is dropped with `drop_last`, else completed by cycling
+    through the stream's first global batch (the padding lands at its end).
+
+    Args:
+        items: The stream.
+        batch_size: Items per rank per batch.
+        num_replicas: The number of ranks.
+        rank: This rank.
+        drop_last: Drop an incomplete last global batch.
+        skip_batches: Global batches to read past first (resume): their items are read, not kept.
+        size: Samples in an item (an item that is a whole batch); default 1.
+
+    Yields:
+        (this rank's items, samples of the global batch that are not padding).
+    """
+    global_batch = batch_size * num_replicas
+    mine = range(rank * batch_size, (rank + 1) * batch_size)
+    first: list[Any] = []
+    kept: list[Any] = []
+    count = real = 0
+    skip = skip_batches * global_batch
+    for item in items:
+        if len(first) < global_batch:
+            first.append(item)
+        if skip:
+            skip -= 1
+            continue
+        if count in mine:
+            kept.append(item)
+        real += 1 if size is None else size(item)
+        count += 1
+        if count == global_batch:
+            yield kept, real
+            kept, count, real = [], 0, 0
+    if count and not drop_last and not skip:
+        for pad in range(global_batch - count):
+            if count + pad in mine:
+                kept.append(first[pad % len(first)])
+        yield kept, real
+
+
+class StreamWindows(Generic[T]):
+    """A stream's batches, read one accumulation window and one batch ahead, ended together.
+
+    Before the first batch of each window (and at a pass's start) every rank reads up to the
+    window's end plus one batch, and the ranks agree on the smallest count read (`agree`: one
+    all-reduce MIN). Fewer than asked means the epoch ends in this window: `known_length`
+    is set before its first batch is yielded, so the window's length, and whether a batch is the
+    epoch's last, are known when it is trained on; every rank stops at the same batch.
+
+    Args:
+        batches: This rank's batches (from `shard_stream`).
+        start: The index of the first batch (a resumed position).
+        window: The accumulation window (gradient_accumulation_steps).
+        agree: Called with this rank's count; returns the smallest over all ranks.
+    """
+
+    def __init__(self, batches: Iterator[T], *, start: int, window: int, agree: Callable[[int], int]) -> None:
+        self.batches = batches
+        self.start = start
+        self.window = max(1, int(window))
+        self.agree = agree
+        self.known_length: int | None = None
+        """The batches of this epoch, once its end is in sight; None before."""
+
+    def __iter__(self) -> Iterator[T]:
+        index = self.start
+        buffer: deque[T] = deque()
+        exhausted = False
+        while True:
+            want = (index // self.window + 1) * self.window - index + 1  # the window's rest, one more
+            while len(buffer) < want and not exhausted:
+                try:
+                    buffer.append(next(self.batches))
+                except StopIteration:
+                    exhausted = True
+            agreed = self.agree(len(buffer))
+            last = agreed < want
+            if last:
+                self.known_length = index + agreed
+            for _ in range(agreed if last else want - 1):
+                yield buffer.popleft()
+                index += 1
+            if last:
+                return
