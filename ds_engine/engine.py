@@ -468,7 +468,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             scheduler = schedulers[0] if schedulers else None
             facts = {
                 "world_size": self.num_processes,
-                "dataloader": loaders[0] if loaders else None,
+                "dataloader": prepared[id(loaders[0])].for_sizing(self.config) if loaders else None,
                 "model": model,
                 "model_parameters": self.config_optimizer_parameters,
             }
@@ -530,7 +530,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     def _schedule_steps_per_optimizer_step(self, scheduler: Any, loader: PreparedDataLoader | None) -> int:
         """How many times the scheduler's `step()` runs per applied optimizer step (see `prepare`)."""
         world = self.num_processes
-        sizes = None if loader is None else (len(loader.base_dataloader), len(loader))
+        sizes = None if loader is None else loader.schedule_lengths()
         per_step, level, message = schedule_reading(
             scheduler,
             sized_from=self.schedule_sized_from,
@@ -554,10 +554,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             on_batch=self._boundary.on_batch,
             on_end=self._boundary.on_loader_end,
             after_batch=self._after_batch,
+            window=lambda: self.config.gradient_accumulation_steps,
         )
-        check_same_length_on_every_rank(
-            prepared, index=len(self._dataloaders), world=self.num_processes, caller=self._caller
-        )
+        check_same_length_on_every_rank(prepared, index=len(self._dataloaders), caller=self._caller)
         self._dataloaders.append(prepared)
         return prepared
 
