@@ -11,7 +11,7 @@ the `StepState` it is given and its own per-loader bookkeeping: no tensors, no c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from ds_engine.step_state import StepState
@@ -24,9 +24,7 @@ class Loader(Protocol):
 
     batch_index: int
 
-    def known_len(self) -> int:
-        """Batches in the loader's epoch as far as known (a stream's, once its end is in sight)."""
-        ...
+    def __len__(self) -> int: ...
 
     def keep_position(self, next_batch: int) -> None: ...
 
@@ -39,17 +37,26 @@ class BoundaryPolicy:
         user_accumulation_problem: The backend's `user_accumulation_problem`: '' when several
             `backward` calls before one `step()` add up exactly at GA=1, else why not (asked only
             at GA=1 after a boundary whose step was not taken).
+        caller: What the user's script calls the Engine ("engine", "accelerator"), for errors.
     """
 
-    def __init__(self, step: StepState, user_accumulation_problem: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        step: StepState,
+        user_accumulation_problem: Callable[[], str],
+        caller: Callable[[], str] = lambda: "engine",
+    ) -> None:
         self.step = step
         self._user_accumulation_problem = user_accumulation_problem
+        self._caller = caller
         self.loaders_in_progress: list[Any] = []
         """Prepared loaders being iterated, innermost last."""
         self.loader_marks: dict[int, tuple[int, int]] = {}
         """Loader id -> `marks()` at its pass's first batch."""
         self.trained_batch: dict[int, int] = {}
         """Loader id -> last batch of its pass a micro-step ran on."""
+        self.prefetched: dict[int, list[int]] = {}
+        """Loader id -> batches drawn ahead by `windows` that no micro-step trained yet."""
 
     # -------------------------------------------------------------- loaders
     @property
@@ -62,6 +69,7 @@ class BoundaryPolicy:
         self.loaders_in_progress = []
         self.loader_marks.clear()
         self.trained_batch.clear()
+        self.prefetched.clear()
         self.step.grads_pending = False
         self.step.boundary, self.step.stepped, self.step.micro_backwards = True, False, 0
 
@@ -88,8 +96,9 @@ class BoundaryPolicy:
         """
         if loader in self.loaders_in_progress:
             self.loaders_in_progress.remove(loader)
+        self.prefetched.pop(id(loader), None)
         start = self.loader_marks.pop(id(loader), None)
-        finished = loader.batch_index == loader.known_len()  # not a `break` or an exception
+        finished = loader.batch_index == len(loader)  # not a `break` or an exception
         trained = self.trained_batch.pop(id(loader), None)
         if not finished and trained is not None:
             # the loop was left after training on batch `trained`: a checkpoint saved now resumes
@@ -104,7 +113,7 @@ class BoundaryPolicy:
             # At GA=1 gradients add up until `step()` (hand-written accumulation); a whole
             # epoch of `backward` without one optimizer step is a loop that never trains.
             raise RuntimeError(
-                f"a whole pass over a prepared dataloader ({loader.known_len()} micro-steps) called "
+                f"a whole pass over a prepared dataloader ({len(loader)} micro-steps) called "
                 "`engine.backward` but never `optimizer.step()`: its gradients were accumulated and "
                 "never applied. HINT: call `optimizer.step()` and `optimizer.zero_grad()` after "
                 "`engine.backward(loss)` (every micro-step, or every N micro-steps when you "
@@ -119,8 +128,28 @@ class BoundaryPolicy:
             ga: The configured gradient_accumulation_steps.
 
         Raises:
-            RuntimeError: The previous micro-step ended a window and its step was not taken.
+            RuntimeError: The previous micro-step ended a window and its step was not taken, or
+                at GA > 1 a second micro-step began on the same batch of a prepared loader.
         """
+        loader = self.current_loader
+        if (
+            ga > 1
+            and loader is not None
+            and not self.prefetched.get(id(loader))
+            and self.trained_batch.get(id(loader)) == loader.batch_index
+        ):
+            caller = self._caller()
+            raise RuntimeError(
+                f"a second micro-step on batch {loader.batch_index} of a prepared dataloader "
+                f"(gradient_accumulation_steps={ga}): the Engine places each micro-step at the batch "
+                "the loader yielded last, so micro-steps without a new batch between them share one "
+                "place in the window, and a loop that draws a window's batches ahead (to count "
+                "their tokens) would train them all in the last batch's place. HINT: iterate "
+                f"`for window in {caller}.windows(loader):`, count the window's items, then for each "
+                f"batch `{caller}.backward(loss_sum, num_items=...)` and `optimizer.step()` inside "
+                f"`with {caller}.accumulate(model):` (docs/guarantees.md); otherwise one micro-step "
+                "per batch."
+            )
         step = self.step
         if step.grads_pending and step.boundary and not step.stepped:
             # At GA=1 the user owns accumulation (accelerate's hand-written loop: `loss / gas`,
@@ -145,10 +174,11 @@ class BoundaryPolicy:
                     "micro-steps) needs Engine(gradient_accumulation_steps=1)."
                 )
         for in_progress in self.loaders_in_progress:  # their current batches are being trained on
-            self.trained_batch[id(in_progress)] = in_progress.batch_index
+            ahead = self.prefetched.get(id(in_progress))
+            self.trained_batch[id(in_progress)] = ahead.pop(0) if ahead else in_progress.batch_index
         loader = self.loaders_in_progress[-1] if self.loaders_in_progress else None
         if loader is not None:
-            index, length = loader.batch_index, loader.known_len()
+            index, length = self.trained_batch[id(loader)], len(loader)
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start
@@ -162,6 +192,41 @@ class BoundaryPolicy:
         step.stepped = False
         step.micro_backwards = 0
         step.num_micro_steps += 1
+
+    def windows(self, loader: Any, ga: int, caller: str) -> Iterator[list[Any]]:
+        """Draw `loader`'s batches one accumulation window at a time (see `Engine.windows`); the
+        micro-steps that follow train the window's batches in order.
+
+        Raises:
+            TypeError: `loader` is not a prepared dataloader.
+            RuntimeError: A window was left with batches no micro-step trained.
+        """
+        if not hasattr(loader, "keep_position"):
+            raise TypeError(
+                f"`{caller}.windows(...)` got a {type(loader).__name__}: it needs a dataloader "
+                f"returned by `{caller}.prepare`. HINT: loader = {caller}.prepare(loader), then "
+                f"`for window in {caller}.windows(loader):`."
+            )
+        batches: list[Any] = []
+        for batch in loader:
+            batches.append(batch)
+            index = loader.batch_index
+            if (index + 1) % ga and index + 1 < len(loader):
+                continue
+            self._prefetch(loader, range(index + 1 - len(batches), index + 1))
+            yield batches
+            left = self.prefetched.pop(id(loader), [])
+            if left:
+                raise RuntimeError(
+                    f"the window of batches {index + 1 - len(batches)}..{index} was left with "
+                    f"{len(left)} batch(es) not trained: one micro-step per batch of a window. "
+                    f"HINT: `for batch in window:` with `{caller}.accumulate(model)`, `backward` and "
+                    "`optimizer.step()` for each."
+                )
+            batches = []
+
+    def _prefetch(self, loader: Any, indexes: Iterable[int]) -> None:
+        self.prefetched[id(loader)] = list(indexes)
 
     def check_second_backward(self) -> None:
         """Inside `accumulate()`: refuse a second `backward` in the same micro-step."""

@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader
 from ds_engine import process_group, watchdog
 from ds_engine._console import quiet_console
 from ds_engine._values import env_int
-from ds_engine.auto_stage import settle as settle_auto
 from ds_engine.auto_values import filled_auto_blocks
 from ds_engine.backends import select_backend
 from ds_engine.boundary import BoundaryPolicy
@@ -42,8 +41,6 @@ from ds_engine.engine_env import CONFIG_ENV
 from ds_engine.engine_generation import EngineGeneration
 from ds_engine.engine_metrics import EngineMetrics
 from ds_engine.engine_saving import EngineSaving
-from ds_engine.generation import any_gathered as _any_gathered
-from ds_engine.generation import is_gathered as _is_gathered
 from ds_engine.guards import (
     check_clip_arguments,
     check_clipped_parameters,
@@ -53,6 +50,7 @@ from ds_engine.guards import (
     refuse_backward,
     refuse_creation_in_main_process_first,
     sort_prepare_arguments,
+    window_scale,
 )
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, is_scheduler, schedule_reading
 from ds_engine.step_state import StepState
@@ -110,7 +108,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
         self._backend = backend_cls(resolved)
-        self.config: EngineConfig = settle_auto(self._backend)  # the fallback's "auto" is ZeRO-0
+        self.config: EngineConfig = self._backend.effective
         """The effective high-level choices (after merging the JSON)."""
         unhonoured = self._backend.unhonoured_choices()
         if unhonoured:
@@ -128,7 +126,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self._in_accumulate = False
         self._in_main_process_first = False
         # when a micro-step ends a window, what a misuse of it is, when a step counts as skipped
-        self._boundary = BoundaryPolicy(self.step, self._backend.user_accumulation_problem)
+        problem = self._backend.user_accumulation_problem
+        self._boundary = BoundaryPolicy(self.step, problem, lambda: self._caller)
         self._model: torch.nn.Module | None = None
         self._optimizer: PreparedOptimizer | None = None
         self._scheduler: OverflowAwareScheduler | None = None
@@ -455,9 +454,6 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             return self._prepare_scheduler_alone(schedulers[0])
         if models and optimizers:
             check_optimizer_parameters(models[0], optimizers[0], caller=self._caller)
-        if models:  # an "auto" stage/offload, decided from the model before any process group
-            first = [next(iter(found), None) for found in (optimizers, loaders)]
-            self.config = settle_auto(self._backend, models[0], *first)
         self._backend.setup_distributed()
         prepared: dict[int, Any] = {}
         for loader in loaders:
@@ -468,7 +464,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             scheduler = schedulers[0] if schedulers else None
             facts = {
                 "world_size": self.num_processes,
-                "dataloader": prepared[id(loaders[0])].for_sizing(self.config) if loaders else None,
+                "dataloader": loaders[0] if loaders else None,
                 "model": model,
                 "model_parameters": self.config_optimizer_parameters,
             }
@@ -530,7 +526,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     def _schedule_steps_per_optimizer_step(self, scheduler: Any, loader: PreparedDataLoader | None) -> int:
         """How many times the scheduler's `step()` runs per applied optimizer step (see `prepare`)."""
         world = self.num_processes
-        sizes = None if loader is None else loader.schedule_lengths()
+        sizes = None if loader is None else (len(loader.base_dataloader), len(loader))
         per_step, level, message = schedule_reading(
             scheduler,
             sized_from=self.schedule_sized_from,
@@ -554,9 +550,10 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             on_batch=self._boundary.on_batch,
             on_end=self._boundary.on_loader_end,
             after_batch=self._after_batch,
-            window=lambda: self.config.gradient_accumulation_steps,
         )
-        check_same_length_on_every_rank(prepared, index=len(self._dataloaders), caller=self._caller)
+        check_same_length_on_every_rank(
+            prepared, index=len(self._dataloaders), world=self.num_processes, caller=self._caller
+        )
         self._dataloaders.append(prepared)
         return prepared
 
@@ -565,6 +562,15 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             self._autosaver.after_batch(loader, index)
 
     # ================================================================= the training step
+    def windows(self, dataloader: PreparedDataLoader) -> Iterator[list[Any]]:
+        """Each accumulation window of a prepared training loader, as the list of its batches.
+
+        For losses weighted across a window: count its items first, then train each batch in
+        order (`accumulate`, `backward(loss_sum, num_items=...)`, `step`); the windows are those
+        of a plain loop over the loader (GA batches, its last window possibly shorter).
+        """
+        return self._boundary.windows(dataloader, self.config.gradient_accumulation_steps, self._caller)
+
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """Context for one micro-step (forward + backward + optimizer/scheduler calls).
@@ -589,10 +595,13 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         finally:
             self._in_accumulate = False
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, num_items: Any = None, **kwargs: Any) -> None:
         """Backward of `loss / window_length`; reduces gradients only at a boundary.
 
-        Outside `accumulate`, each call is one micro-step of its own.
+        Outside `accumulate`, each call is one micro-step of its own. With `num_items`, `loss` is a
+        sum over items (e.g. label tokens, ``reduction="sum"``) and `num_items` the number of
+        items in the whole window on all ranks together: the applied gradient is then the item
+        mean of the window, whatever its length (see `windows`; docs/guarantees.md).
 
         Raises:
             TypeError: `loss` is not a tensor.
@@ -624,23 +633,11 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self._in_backward = True
         try:
             with context, self._watch("backward"):
-                self._backend.backward(loss, scale=1.0 / self.step.window_len, boundary=self.step.boundary)
+                scale = window_scale(num_items, self.step.window_len, self.num_processes, self._caller)
+                self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
         finally:
             self._in_backward = False
         self.step.grads_pending = True
-
-    def _refuse_training_while_gathered(self, call: str) -> None:
-        """Raise inside `gathered(model)`: DeepSpeed's hooks are off and the parameters in use are
-        whole copies, which ZeRO-3's backward and optimizer step would not keep consistent."""
-        # per micro-step: nothing to look up unless some block is open (unwrap_model is not free
-        # on the accelerate backend, which asks accelerate about DeepSpeed on every call)
-        if _any_gathered() and self._model is not None and _is_gathered(self.unwrap_model(self._model)):
-            raise RuntimeError(
-                f"`{call}` inside `engine.gathered(model)`: the block holds the ZeRO-3 parameters "
-                "whole for inference, with DeepSpeed's fetch/release hooks off; training there would "
-                "leave the partitions and the gathered copies out of step. HINT: leave the block "
-                "before training (it re-partitions on exit); inside it, evaluate under torch.no_grad()."
-            )
 
     def _begin_micro_step(self) -> None:
         """Decide whether this micro-step ends an accumulation window (`BoundaryPolicy`)."""

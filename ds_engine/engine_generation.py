@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_engine.generation import any_gathered as _any_gathered
 from ds_engine.generation import gathered as _gathered
 from ds_engine.generation import generate as _generate
+from ds_engine.generation import is_gathered as _is_gathered
 
 __all__ = ["EngineGeneration"]
 
@@ -26,6 +28,19 @@ class EngineGeneration:
         def _dist(self, call: str | None = None) -> bool: ...
 
         def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def _refuse_training_while_gathered(self, call: str) -> None:
+        """Raise inside `gathered(model)`: DeepSpeed's hooks are off and the parameters in use are
+        whole copies, which ZeRO-3's backward and optimizer step would not keep consistent."""
+        # per micro-step: nothing to look up unless some block is open (unwrap_model is not free
+        # on the accelerate backend, which asks accelerate about DeepSpeed on every call)
+        if _any_gathered() and self._model is not None and _is_gathered(self.unwrap_model(self._model)):
+            raise RuntimeError(
+                f"`{call}` inside `engine.gathered(model)`: the block holds the ZeRO-3 parameters "
+                "whole for inference, with DeepSpeed's fetch/release hooks off; training there would "
+                "leave the partitions and the gathered copies out of step. HINT: leave the block "
+                "before training (it re-partitions on exit); inside it, evaluate under torch.no_grad()."
+            )
 
     def generate(
         self, model: torch.nn.Module, *args: Any, gather: bool | None = None, **generate_kwargs: Any

@@ -10,6 +10,7 @@ with an error before anything is reduced or scaled.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -226,7 +227,8 @@ def refuse_backward(engine: Any, loss: Any, kwargs: dict[str, Any]) -> None:
     if kwargs:
         raise TypeError(
             f"`engine.backward` got unexpected arguments {sorted(kwargs)}. HINT: call "
-            "`engine.backward(loss)`; the Engine scales the loss for accumulation itself."
+            "`engine.backward(loss)`; the Engine scales the loss for accumulation itself (for a "
+            "loss summed over tokens: `engine.backward(loss_sum, num_items=tokens_in_window)`)."
         )
     refuse_while_gathered("engine.backward(loss)")
     if not loss.requires_grad:
@@ -299,3 +301,33 @@ def refuse_creation_in_main_process_first(caller: str) -> None:
         "rank at once, outside `main_process_first()` (download or cache files inside it, then load "
         "after it)."
     )
+
+
+def window_scale(num_items: Any, window_len: int, world: int, caller: str) -> float:
+    """What `backward` multiplies the loss by: ``1 / window_len`` (the window mean of mean
+    losses), or ``world / num_items`` for a loss summed over items when `num_items` counts the
+    items of the whole window on all ranks (the reduction averages over ranks).
+
+    Raises:
+        ValueError: `num_items` is not one positive finite number.
+    """
+    if num_items is None:
+        return 1.0 / window_len
+    value = num_items
+    if isinstance(num_items, torch.Tensor) and num_items.numel() == 1:
+        value = num_items.item()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        shown = f"{num_items!r:.80}"
+        raise ValueError(
+            f"`{caller}.backward(loss, num_items={shown})`: `num_items` must be one positive number, "
+            "the count of items (e.g. label tokens) in the whole accumulation window on all ranks "
+            "together. HINT: count the window's items on each rank and sum them across ranks, e.g. "
+            f"`num_items = {caller}.reduce(torch.tensor(tokens_in_window), 'sum')`; skip a window "
+            "without items (its token mean is undefined)."
+        )
+    return world / float(value)

@@ -24,7 +24,8 @@ COMPAT: dict[str, tuple[str, str]] = {
     "autocast": (SUPPORTED, "autocast for the configured precision (DeepSpeed casts itself)"),
     "backward": (
         DIFFERS,
-        "takes no extra arguments; the loss is divided by the window length, not by GA",
+        "the loss is divided by the window length, not by GA; `num_items=` for a loss summed over "
+        "tokens (the window's token mean, with `windows(loader)`); no other extra arguments",
     ),
     "check_trigger": (SUPPORTED, ""),
     "clear": (SUPPORTED, "alias of `free_memory`"),
@@ -47,14 +48,22 @@ COMPAT: dict[str, tuple[str, str]] = {
     ),
     "deepspeed_ulysses_dl_adapter": (NOT_APPLICABLE, "no sequence parallelism"),
     "device": (SUPPORTED, ""),
-    "dispatch_batches": (SUPPORTED, "always False (map-style datasets, sharded by batch)"),
+    "dispatch_batches": (
+        SUPPORTED,
+        "always False: every rank reads its loader; a stream (`IterableDataset`) is read by every rank, "
+        "each keeping its slice of every global batch (docs/data_pipelines.md)",
+    ),
     "distributed_type": (
         SUPPORTED,
         "DEEPSPEED on the DeepSpeed backend; accelerate's own value on the fallback (MULTI_CPU, "
         "MULTI_GPU, FSDP, NO)",
     ),
     "end_training": (SUPPORTED, "finishes the trackers, then a barrier and the process group's end"),
-    "even_batches": (SUPPORTED, "always True: the last global batch is completed from the epoch start"),
+    "even_batches": (
+        SUPPORTED,
+        "always True: the last global batch is completed from the epoch start (a batch sampler's last "
+        "round by its first whole batches)",
+    ),
     "fp8_backend": (NOT_APPLICABLE, "no fp8"),
     "free_memory": (
         SUPPORTED,
@@ -113,7 +122,7 @@ COMPAT: dict[str, tuple[str, str]] = {
     "pipeline_parallel_rank": (NOT_APPLICABLE, "no pipeline parallelism"),
     "prepare": (
         DIFFERS,
-        "one model, one optimizer, one scheduler per Accelerator; map-style datasets only; "
+        "one model, one optimizer, one scheduler per Accelerator; "
         "DummyOptim/DummyScheduler need the config's optimizer/scheduler block (DeepSpeed backend) "
         'and fill its "auto" values as accelerate does; '
         "the scheduler advances only for applied optimizer steps (never on skipped ones): "
