@@ -24,7 +24,9 @@ class Loader(Protocol):
 
     batch_index: int
 
-    def __len__(self) -> int: ...
+    def known_len(self) -> int:
+        """Batches in the loader's epoch as far as known (a stream's, once its end is in sight)."""
+        ...
 
     def keep_position(self, next_batch: int) -> None: ...
 
@@ -98,7 +100,7 @@ class BoundaryPolicy:
             self.loaders_in_progress.remove(loader)
         self.prefetched.pop(id(loader), None)
         start = self.loader_marks.pop(id(loader), None)
-        finished = loader.batch_index == len(loader)  # not a `break` or an exception
+        finished = loader.batch_index == loader.known_len()  # not a `break` or an exception
         trained = self.trained_batch.pop(id(loader), None)
         if not finished and trained is not None:
             # the loop was left after training on batch `trained`: a checkpoint saved now resumes
@@ -113,7 +115,7 @@ class BoundaryPolicy:
             # At GA=1 gradients add up until `step()` (hand-written accumulation); a whole
             # epoch of `backward` without one optimizer step is a loop that never trains.
             raise RuntimeError(
-                f"a whole pass over a prepared dataloader ({len(loader)} micro-steps) called "
+                f"a whole pass over a prepared dataloader ({loader.known_len()} micro-steps) called "
                 "`engine.backward` but never `optimizer.step()`: its gradients were accumulated and "
                 "never applied. HINT: call `optimizer.step()` and `optimizer.zero_grad()` after "
                 "`engine.backward(loss)` (every micro-step, or every N micro-steps when you "
@@ -178,7 +180,7 @@ class BoundaryPolicy:
             self.trained_batch[id(in_progress)] = ahead.pop(0) if ahead else in_progress.batch_index
         loader = self.loaders_in_progress[-1] if self.loaders_in_progress else None
         if loader is not None:
-            index, length = self.trained_batch[id(loader)], len(loader)
+            index, length = self.trained_batch[id(loader)], loader.known_len()
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start
@@ -211,7 +213,7 @@ class BoundaryPolicy:
         for batch in loader:
             batches.append(batch)
             index = loader.batch_index
-            if (index + 1) % ga and index + 1 < len(loader):
+            if (index + 1) % ga and index + 1 < loader.known_len():
                 continue
             self._prefetch(loader, range(index + 1 - len(batches), index + 1))
             yield batches

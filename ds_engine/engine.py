@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from ds_engine import process_group, watchdog
 from ds_engine._console import quiet_console
 from ds_engine._values import env_int
+from ds_engine.auto_stage import settle as settle_auto
 from ds_engine.auto_values import filled_auto_blocks
 from ds_engine.backends import select_backend
 from ds_engine.boundary import BoundaryPolicy
@@ -108,7 +109,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         resolved = resolve_config(config, choices, world_size=world_size)
         backend_cls = select_backend(backend)
         self._backend = backend_cls(resolved)
-        self.config: EngineConfig = self._backend.effective
+        self.config: EngineConfig = settle_auto(self._backend)  # the fallback's "auto" is ZeRO-0
         """The effective high-level choices (after merging the JSON)."""
         unhonoured = self._backend.unhonoured_choices()
         if unhonoured:
@@ -454,6 +455,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             return self._prepare_scheduler_alone(schedulers[0])
         if models and optimizers:
             check_optimizer_parameters(models[0], optimizers[0], caller=self._caller)
+        if models:  # an "auto" stage/offload, decided from the model before any process group
+            first = [next(iter(found), None) for found in (optimizers, loaders)]
+            self.config = settle_auto(self._backend, models[0], *first)
         self._backend.setup_distributed()
         prepared: dict[int, Any] = {}
         for loader in loaders:
@@ -464,7 +468,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             scheduler = schedulers[0] if schedulers else None
             facts = {
                 "world_size": self.num_processes,
-                "dataloader": loaders[0] if loaders else None,
+                "dataloader": prepared[id(loaders[0])].for_sizing(self.config) if loaders else None,
                 "model": model,
                 "model_parameters": self.config_optimizer_parameters,
             }
@@ -526,7 +530,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     def _schedule_steps_per_optimizer_step(self, scheduler: Any, loader: PreparedDataLoader | None) -> int:
         """How many times the scheduler's `step()` runs per applied optimizer step (see `prepare`)."""
         world = self.num_processes
-        sizes = None if loader is None else (len(loader.base_dataloader), len(loader))
+        sizes = None if loader is None else loader.schedule_lengths()
         per_step, level, message = schedule_reading(
             scheduler,
             sized_from=self.schedule_sized_from,
@@ -550,10 +554,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             on_batch=self._boundary.on_batch,
             on_end=self._boundary.on_loader_end,
             after_batch=self._after_batch,
+            window=lambda: self.config.gradient_accumulation_steps,
         )
-        check_same_length_on_every_rank(
-            prepared, index=len(self._dataloaders), world=self.num_processes, caller=self._caller
-        )
+        check_same_length_on_every_rank(prepared, index=len(self._dataloaders), caller=self._caller)
         self._dataloaders.append(prepared)
         return prepared
 
