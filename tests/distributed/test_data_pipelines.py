@@ -31,6 +31,9 @@ def _check(results: list[list[dict]]) -> None:
             assert result["gathered_ids"] == list(range(N)) or sorted(result["gathered_ids"]) == list(
                 range(N)
             ), f"{name}: rank {r} gathered {result['gathered_ids']}"
+            if result["kind"] == "batches":
+                assert "different batches on different ranks" in result["refused"], result["refused"]
+                assert "HINT" in result["refused"]
         steps = {result["steps"] for result in scenario}
         assert len(steps) == 1, f"{name}: ranks took different optimizer steps {steps}"
         first = scenario[0]

@@ -13,7 +13,8 @@ Per scenario (--scenarios, JSON: [{"name", "backend", "zero_stage", "data": "str
   loads it and trains to the end: the weights must equal the uninterrupted run's;
 * runs an evaluation pass over a prepared loader of the same data with `gather_for_metrics`:
   every sample id exactly once;
-* reports the stream agreements (count, seconds) for the cost per window.
+* checks that a batch sampler drawing different batches on each rank is refused;
+* reports the stream agreements (count, seconds) and one agreement's cost with the ranks in step.
 
 The stream has N=23 samples (not a multiple of 2 x 2): 6 global batches per epoch, windows of 4
 and 2 batches (the short last one), the last global batch one sample short (padded with id 0).
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import parse_args, rank, write_result
+from _common import error_of, parse_args, rank, write_result
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 N = 23
@@ -37,6 +38,7 @@ EPOCHS = 2
 LR = 0.1
 SAVE_AT = 1  # optimizer steps: after the first window, mid-epoch 0
 BUDGET = 12  # the length-grouped sampler's tokens per batch (longest x count)
+AGREEMENT_REPEATS = 200
 
 
 def make_tensors() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -199,6 +201,12 @@ def run(scenario: dict, out: Path, world: int) -> dict:
     result["steps"] = engine.num_optimizer_steps
     result["micro_steps"] = engine.num_micro_steps
     result["agreements"] = [loader.agreements, loader.agreement_seconds]
+    if loader.kind == "stream":  # one agreement's cost, ranks in step (a barrier first)
+        torch.distributed.barrier()
+        began = time.perf_counter()
+        for _ in range(AGREEMENT_REPEATS):
+            loader._agree(1)
+        result["agreement_us"] = (time.perf_counter() - began) / AGREEMENT_REPEATS * 1e6
     result["expected_seen"] = [
         per_rank[rank()] for epoch in range(EPOCHS) for per_rank in rounds(scenario["data"], epoch, world)
     ]
@@ -226,6 +234,9 @@ def run(scenario: dict, out: Path, world: int) -> dict:
         for batch in evaluation:
             gathered += engine3.gather_for_metrics(batch["id"]).tolist()
     result["gathered_ids"] = gathered
+    if scenario["data"] == "batches":  # a batch sampler drawing other batches on each rank
+        differing = DataLoader(Samples(), batch_sampler=[[rank()], [2]])
+        result["refused"] = error_of(lambda: engine3.prepare(differing))
     return result
 
 
