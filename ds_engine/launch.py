@@ -33,7 +33,7 @@ from typing import Any
 
 from ds_engine._values import no_duplicate_keys
 from ds_engine.ds_config import PRESETS, preset_path
-from ds_engine.engine import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
+from ds_engine.engine_env import CONFIG_ENV  # through it `--config` reaches `Engine()` in every worker
 from ds_engine.preemption import PREEMPTED_EXIT_CODE
 from ds_engine.slurm import cluster_flags
 
