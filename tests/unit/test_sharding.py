@@ -298,3 +298,42 @@ def test_a_stream_already_split_by_node_is_refused_with_a_hint():
     with pytest.raises(ValueError, match=r"split_dataset_by_node.*rank=0, world_size=2.*HINT"):
         check_dataloader(DataLoader(split, batch_size=2))
     check_dataloader(DataLoader(stream, batch_size=2))  # the whole stream is fine
+
+
+class WorkerAwareStream(IterableDataset):
+    """Each DataLoader worker yields every num_workers-th sample (as `datasets` streams split)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return iter(torch.arange(worker, 10, workers).float().unsqueeze(1).unbind(0))
+
+
+def test_a_stream_read_by_workers_is_sharded_once_across_ranks():
+    loaders = [
+        _prepared(DataLoader(WorkerAwareStream(), batch_size=2, num_workers=2), world=2, rank=r, window=2)
+        for r in range(2)
+    ]
+    got = [[v for b in loader for v in b.squeeze(1).tolist()] for loader in loaders]
+    assert sorted(got[0] + got[1]) == sorted([float(i) for i in range(10)] + [0.0, 1.0])  # 3 x 4, padded
+    assert len(got[0]) == len(got[1]) == 6
+
+
+def test_a_checkpoint_of_another_kind_of_loader_is_refused_naming_both():
+    stream = _prepared(DataLoader(Stream(8), batch_size=2))
+    plain = _prepared(DataLoader(TensorDataset(torch.arange(8).float()), batch_size=2))
+    with pytest.raises(ValueError, match=r"kind 'indices' but the checkpoint's was 'stream'.*HINT"):
+        plain.load_checkpoint_state(stream.checkpoint_state())
+
+
+def test_deepspeed_sizes_a_batch_sampler_by_its_batch_size_or_largest_batch():
+    from types import SimpleNamespace
+
+    ds = TensorDataset(torch.arange(10).float())
+    auto, chosen = SimpleNamespace(micro_batch_size="auto"), SimpleNamespace(micro_batch_size=4)
+    loader = _prepared(DataLoader(ds, batch_sampler=[[0, 1, 2], [3], [4, 5]]))
+    assert loader.for_sizing(auto).batch_size == 3
+    assert loader.for_sizing(chosen) is loader.base_dataloader  # the choice stands alone
+    declared = BatchSampler(list(range(10)), batch_size=5, drop_last=False)  # not a plain sampler
+    assert _prepared(DataLoader(ds, batch_sampler=declared)).for_sizing(auto).batch_size == 5
+    assert _prepared(DataLoader(ds, batch_size=2)).for_sizing(auto).batch_size == 2
