@@ -397,12 +397,13 @@ _TRAINER_SCHEDULER = {
 
 def for_trainer(config: EngineConfig | None = None, *, base: JsonSource | None = None) -> dict[str, Any]:
     """A DeepSpeed JSON for `transformers.TrainingArguments(deepspeed=path)`: the stage, offload and
-    other choices written, and every value the Trainer fills left "auto": batch sizes, gradient
-    accumulation, clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay and the
+    other choices written, and every value the Trainer fills left "auto": the micro batch size,
+    gradient accumulation, clipping, fp16/bf16, the optimizer's lr/betas/eps/weight_decay and the
     scheduler's warm-up and total steps (an AdamW / WarmupDecayLR block unless the choices or
     `base` have their own), and the bucket sizes it sizes from the model's hidden size
     (`reduce_bucket_size`; under ZeRO-3 also `stage3_prefetch_bucket_size`,
-    `stage3_param_persistence_threshold`) unless chosen.
+    `stage3_param_persistence_threshold`) unless chosen. `train_batch_size` is left out: DeepSpeed
+    derives it from the micro batch, the accumulation and its own world size.
 
     Raises:
         ConfigError: A choice the Trainer owns (`TRAINER_FILLS`: set it in TrainingArguments), and
@@ -417,6 +418,9 @@ def for_trainer(config: EngineConfig | None = None, *, base: JsonSource | None =
             "(per_device_train_batch_size, max_grad_norm, bf16 or fp16, the accumulation steps)"
         )
     out = build_ds_config(config, world_size=1, base=base, resolve=False)
+    # DeepSpeed derives it (micro x accumulation x its world size); the Trainer would fill it from
+    # accelerate's world size, which is 1 on CPU ranks (DeepSpeed's batch assertion then fails)
+    out.pop("train_batch_size", None)
     out.setdefault("optimizer", copy.deepcopy(_TRAINER_OPTIMIZER))
     out.setdefault("scheduler", copy.deepcopy(_TRAINER_SCHEDULER))
     zero = out["zero_optimization"]

@@ -121,17 +121,22 @@ def test_what_auto_needs_is_an_error_with_a_hint():
         Engine(backend="accelerate", zero_stage=2, memory_budget="40GB")
     with pytest.raises(ConfigError, match=r'`memory_budget` = "lots" is invalid.*40GB'):
         EngineConfig(zero_stage="auto", seq_len=8, memory_budget="lots")
-    with pytest.raises(ConfigError, match=r'`offload_params` = "nvme" with `zero_stage` = "auto".*zero_stage=3'):
+    with pytest.raises(
+        ConfigError, match=r'`offload_params` = "nvme" with `zero_stage` = "auto".*zero_stage=3'
+    ):
         EngineConfig(zero_stage="auto", seq_len=8, offload_params="nvme", nvme_path="/x")
-    with pytest.raises(ConfigError, match=r'decided at `prepare`.*HINT: pass zero_stage=0..3'):
+    with pytest.raises(ConfigError, match=r"decided at `prepare`.*HINT: pass zero_stage=0..3"):
         build_ds_config(EngineConfig(zero_stage="auto", seq_len=8), world_size=1, micro_batch_size=1)
 
 
 def test_a_json_stage_is_never_auto():
-    """"auto" is the Engine's choice; a DeepSpeed JSON's stage stays a number (DeepSpeed reads it)."""
+    """ "auto" is the Engine's choice; a DeepSpeed JSON's stage stays a number (DeepSpeed reads it)."""
     with pytest.raises(ConfigError, match=r'`zero_optimization.stage` = "auto" is invalid'):
         build_ds_config(
-            EngineConfig(zero_stage=2), world_size=1, micro_batch_size=1, base={"zero_optimization": {"stage": "auto"}}
+            EngineConfig(zero_stage=2),
+            world_size=1,
+            micro_batch_size=1,
+            base={"zero_optimization": {"stage": "auto"}},
         )
 
 
@@ -157,10 +162,8 @@ def test_the_cli_prints_the_same_choice_for_the_same_inputs(tmp_path, capsys, de
     budget = int(max(z2, z3) * 1.2)  # whatever it is, both must say the same
     plan = plan_setup(model, _inputs(budget, **{**common, "margin": 0.2}, device=device))
     flags = ["--gpus-per-node", "2", "--micro-batch", "4", "--seq-len", "128", "--precision", "bf16"]
-    code = cli_main(
-        ["estimate", "--model", str(tmp_path), "--budget", str(budget), "--recommend", "--headroom", "0.2"]
-        + ["--device", device, "--no-zero-init", *flags]
-    )
+    cli = ["estimate", "--model", str(tmp_path), "--budget", str(budget), "--recommend", "--headroom", "0.2"]
+    code = cli_main([*cli, "--device", device, "--no-zero-init", *flags])
     out = capsys.readouterr().out
     assert code == 0
     assert f"choice: {plan.log_line}\n" in out
@@ -182,7 +185,6 @@ def test_the_fallback_runs_auto_as_zero_0_and_says_so_once(caplog):
 
 # --------------------------------------------------------------------------- for the HF Trainer
 TRAINER_AUTOS = (
-    "train_batch_size",
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
     "gradient_clipping",
@@ -196,7 +198,10 @@ TRAINER_AUTOS = (
     "scheduler.params.total_num_steps",
     "zero_optimization.reduce_bucket_size",
 )
-STAGE3_AUTOS = ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
+STAGE3_AUTOS = (
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+)
 
 
 def _get(d, dotted):
@@ -213,6 +218,7 @@ def test_for_trainer_leaves_what_the_trainer_fills_auto(stage, capsys):
     for key in TRAINER_AUTOS + (STAGE3_AUTOS if stage == 3 else ()):
         assert _get(out, key) == "auto", key
     assert out["zero_optimization"]["stage"] == stage
+    assert "train_batch_size" not in out  # DeepSpeed derives it (the Trainer's fill is wrong on CPU ranks)
     assert validate_ds_config(out, partial=True) == []
     assert cli_main(["config", "--zero-stage", str(stage), "--for-trainer"]) == 0
     assert json.loads(capsys.readouterr().out) == out
@@ -221,7 +227,9 @@ def test_for_trainer_leaves_what_the_trainer_fills_auto(stage, capsys):
 def test_for_trainer_refuses_what_the_trainer_owns(capsys):
     from ds_engine.ds_config import for_trainer
 
-    with pytest.raises(ConfigError, match=r"`precision` = 'bf16' is filled by the Hugging Face Trainer.*HINT"):
+    with pytest.raises(
+        ConfigError, match=r"`precision` = 'bf16' is filled by the Hugging Face Trainer.*HINT"
+    ):
         for_trainer(EngineConfig(zero_stage=2, precision="bf16"))
     assert cli_main(["config", "--for-trainer", "--micro-batch-size", "4"]) == 2
     assert "HINT: drop --micro-batch-size" in capsys.readouterr().err
@@ -256,7 +264,8 @@ ENGINE = textwrap.dedent(
         print("ERROR=" + json.dumps([str(exc), dist.is_initialized()]))
     engine = Engine(memory_budget=budget, **choices)
     engine.prepare(model, torch.optim.AdamW(model.parameters()), loader)
-    print("RESULT=" + json.dumps({"config": seen["config"], "lines": lines, "stage": engine.config.zero_stage}))
+    result = {"config": seen["config"], "lines": lines, "stage": engine.config.zero_stage}
+    print("RESULT=" + json.dumps(result))
     engine.end_training()
     """
 )
@@ -275,7 +284,11 @@ def test_prepare_decides_logs_the_cli_line_and_renders_the_decision(tmp_path, ca
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    found = {k: json.loads(v) for k, _, v in (x.partition("=") for x in proc.stdout.splitlines()) if k in ("ERROR", "RESULT")}
+    found = {
+        k: json.loads(v)
+        for k, _, v in (x.partition("=") for x in proc.stdout.splitlines())
+        if k in ("ERROR", "RESULT")
+    }
     message, group_formed = found["ERROR"]
     assert not group_formed and "no ZeRO stage/offload fits 1.00 MB per rank" in message and "HINT" in message
     result = found["RESULT"]
