@@ -60,7 +60,8 @@ def _scenarios(backend: str, stage: int, pairs: list[tuple[str, str]]) -> str:
 
 
 def test_fallback_trains_streams_and_batch_samplers_like_one_process():
-    scenarios = _scenarios("accelerate", 0, [("stream", "accelerator"), ("batches", "engine")])
+    pairs = [("stream", "accelerator"), ("batches", "engine"), ("hf_stream", "engine")]
+    scenarios = _scenarios("accelerate", 0, pairs)
     _check(run_workers("data_pipelines.py", "--scenarios", scenarios, timeout=300))
 
 

@@ -1,7 +1,8 @@
 """Streams and custom batch samplers on real ranks: the weights equal a one-process reference.
 
-Per scenario (--scenarios, JSON: [{"name", "backend", "zero_stage", "data": "stream" | "batches",
-"api": "engine" | "accelerator"}]), every rank:
+Per scenario (--scenarios, JSON: [{"name", "backend", "zero_stage", "data": "stream" | "hf_stream" |
+"batches", "api": "engine" | "accelerator"}]; "hf_stream": a `datasets` stream with a shuffle buffer,
+reshuffled per epoch), every rank:
 
 * trains EPOCHS epochs (SGD, GA=4, fp32) over the scenario's data and reports its batches' sample
   ids; rank 0 compares the final weights with a plain-torch reference that applies, per window,
@@ -93,9 +94,20 @@ class LengthGroupedBatches:
         return iter(batches)
 
 
+def hf_stream():
+    """A `datasets` stream over 3 shards with a shuffle buffer (reshuffled per epoch by `set_epoch`)."""
+    import datasets
+
+    table = {"id": list(range(N)), "x": X.tolist(), "y": Y.tolist()}
+    stream = datasets.Dataset.from_dict(table).to_iterable_dataset(num_shards=3)
+    return stream.shuffle(seed=5, buffer_size=8).with_format("torch")
+
+
 def make_loader(data: str) -> DataLoader:
     if data == "stream":
         return DataLoader(Stream(), batch_size=BATCH)
+    if data == "hf_stream":
+        return DataLoader(hf_stream(), batch_size=BATCH)
     return DataLoader(Samples(), batch_sampler=LengthGroupedBatches())
 
 
@@ -107,10 +119,15 @@ def make_model() -> torch.nn.Module:
 # ------------------------------------------------------------------- the reference's global batches
 def rounds(data: str, epoch: int, world: int) -> list[list[list[int]]]:
     """Per global batch, each rank's sample ids (rebuilt here, independently of ds_engine)."""
-    if data == "stream":
+    if data in ("stream", "hf_stream"):
+        order = list(range(N))
+        if data == "hf_stream":  # the stream's own order this epoch, read in one process
+            stream = hf_stream()
+            stream.set_epoch(epoch)
+            order = [int(sample["id"]) for sample in stream]
         global_batch = BATCH * world
         count = -(-N // global_batch)
-        ids = list(range(N)) + [i % N for i in range(count * global_batch - N)]
+        ids = order + [order[i % N] for i in range(count * global_batch - N)]
         return [
             [ids[b * global_batch + r * BATCH : b * global_batch + (r + 1) * BATCH] for r in range(world)]
             for b in range(count)
@@ -201,7 +218,9 @@ def run(scenario: dict, out: Path, world: int) -> dict:
     result["steps"] = engine.num_optimizer_steps
     result["micro_steps"] = engine.num_micro_steps
     result["agreements"] = [loader.agreements, loader.agreement_seconds]
-    if loader.kind == "stream":  # one agreement's cost, ranks in step (a barrier first)
+    if (
+        loader.kind == "stream" and scenario["data"] == "stream"
+    ):  # one agreement's cost, ranks in step (a barrier first)
         torch.distributed.barrier()
         began = time.perf_counter()
         for _ in range(AGREEMENT_REPEATS):
