@@ -71,7 +71,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 def check_dataloader(dataloader: DataLoader, *, index: int = 0, caller: str = "engine") -> None:
     """Refuse a DataLoader whose data is split per rank already (ds_engine shards it itself).
 
-    Called by `prepare` before any process group work.
+    Called for every loader `prepare` is given, before any collective on it; the same on every rank.
 
     Raises:
         ValueError: A `DistributedSampler` (as `sampler`, or inside the `batch_sampler`), or a

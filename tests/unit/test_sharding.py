@@ -337,3 +337,23 @@ def test_deepspeed_sizes_a_batch_sampler_by_its_batch_size_or_largest_batch():
     declared = BatchSampler(list(range(10)), batch_size=5, drop_last=False)  # not a plain sampler
     assert _prepared(DataLoader(ds, batch_sampler=declared)).for_sizing(auto).batch_size == 5
     assert _prepared(DataLoader(ds, batch_size=2)).for_sizing(auto).batch_size == 2
+
+
+@pytest.mark.parametrize("data", ["stream", "batches"])
+def test_a_position_saved_on_two_ranks_resumes_on_one_at_the_same_place(data):
+    def loader(world: int, rank: int) -> PreparedDataLoader:
+        if data == "stream":
+            return _prepared(DataLoader(Stream(14), batch_size=2), world=world, rank=rank, window=2)
+        ds = TensorDataset(torch.arange(14).float())
+        return _prepared(DataLoader(ds, batch_sampler=[[i, i + 1] for i in range(0, 14, 2)]), world=world)
+
+    def values(batches) -> list[float]:
+        return [v for b in batches for v in (b if data == "stream" else b[0]).flatten().tolist()]
+
+    two = loader(2, 0)
+    it = iter(two)
+    next(it), next(it)  # global batches 0 and 1 of 2 ranks: samples 0-7
+    saved = two.checkpoint_state()
+    one = loader(1, 0)
+    one.load_checkpoint_state(saved)
+    assert values(one) == [float(i) for i in range(8, 14)]
