@@ -357,3 +357,55 @@ def test_a_position_saved_on_two_ranks_resumes_on_one_at_the_same_place(data):
     one = loader(1, 0)
     one.load_checkpoint_state(saved)
     assert values(one) == [float(i) for i in range(8, 14)]
+
+
+class PairStream(IterableDataset):
+    """7 (x, y) pairs, no length."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(7, 3, generator=g), torch.randn(7, 1, generator=g)
+        return iter(list(zip(x.unbind(0), y.unbind(0))))
+
+
+@pytest.mark.parametrize("ga", [1, 3, 4, 7, 8])
+@pytest.mark.parametrize("use_windows", [False, True])
+def test_an_engine_trains_a_stream_with_the_short_last_window_weighted_right(ga, use_windows):
+    """One process, the fallback: boundaries every GA batches and at the stream's end (found by
+    reading ahead), each window's step the mean of its batches' gradients (SGD, lr 1);
+    `engine.windows` hands out the same windows."""
+    import warnings
+
+    from ds_engine import Engine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback reports unhonoured choices
+        engine = Engine(
+            backend="accelerate", gradient_accumulation_steps=ga, precision="fp32", gradient_clipping=0.0
+        )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer, loader = engine.prepare(model, optimizer, DataLoader(PairStream(), batch_size=1))
+    pairs = list(PairStream())
+    windows = engine.windows(loader) if use_windows else ([batch] for batch in loader)
+    boundaries, weight, seen = [], model.weight.detach().clone(), 0
+    for window in windows:
+        for x, y in window:
+            with engine.accumulate(model):
+                engine.backward(((model(x) - y) ** 2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            boundaries.append(engine.sync_gradients)
+            seen += 1
+            if engine.sync_gradients:  # the window's mean gradient, from the weights before it
+                start = (seen - 1) // ga * ga
+                xs = torch.stack([p[0] for p in pairs[start:seen]])
+                ys = torch.stack([p[1] for p in pairs[start:seen]])
+                w = weight.clone().requires_grad_(True)
+                (((xs @ w.T) - ys) ** 2).mean().backward()
+                assert torch.allclose(model.weight.detach(), weight - w.grad, atol=1e-6), (ga, seen)
+                weight = model.weight.detach().clone()
+    lengths = [ga] * (7 // ga) + ([7 % ga] if 7 % ga else [])
+    assert boundaries == [i + 1 == n for n in lengths for i in range(n)]
+    assert engine.num_optimizer_steps == len(lengths) and seen == 7
