@@ -259,13 +259,17 @@ def settle(backend: Any, model: Any = None, optimizer: Any = None, dataloader: A
             _refuse_unread_fields(config)
         return config
     rank0 = _env_int("RANK", 0) == 0
-    if backend.name != "deepspeed":
-        _decide(backend, config, 0, "none", "none")
+    if backend.name != "deepspeed":  # an "auto" stage is ZeRO-0, an "auto" offload none; the rest stays
+        stage = 0 if config.zero_stage == AUTO else int(config.zero_stage)
+        devices = ["none" if d == AUTO else d for d in (config.offload_optimizer, config.offload_params)]
+        _decide(backend, config, stage, devices[0], devices[1])
         if rank0:
             _log.warning(
-                'ds_engine: zero_stage="auto" on the %s fallback: ZeRO-0 (data parallel, no offload), '
-                "the one set-up it runs everywhere; install DeepSpeed for the planner's choice",
+                'ds_engine: "auto" on the %s fallback: ZeRO-%d, offload %s; the planner\'s choice needs '
+                "DeepSpeed",
                 backend.name,
+                stage,
+                "/".join(devices) if stage == 3 else devices[0],
             )
         return backend.effective
     if model is None:

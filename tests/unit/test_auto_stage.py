@@ -180,7 +180,12 @@ def test_the_fallback_runs_auto_as_zero_0_and_says_so_once(caplog):
         "none",
     )
     said = [r.getMessage() for r in caplog.records if "auto" in r.getMessage()]
-    assert len(said) == 1 and "accelerate fallback: ZeRO-0" in said[0]
+    assert said == ['ds_engine: "auto" on the accelerate fallback: ZeRO-0, offload none; the planner\'s '
+                    "choice needs DeepSpeed"]  # fmt: skip
+    # a stage you chose stays (the fallback shards ZeRO-2/3 with FSDP where it can); "auto" offloads are none
+    with pytest.warns(UserWarning, match="cannot honour"):  # on CPU: DDP, said as for any ZeRO-2
+        kept = Engine(backend="accelerate", zero_stage=2, offload_optimizer="auto", seq_len=64)
+    assert (kept.config.zero_stage, kept.config.offload_optimizer) == (2, "none")
 
 
 # --------------------------------------------------------------------------- for the HF Trainer
