@@ -68,16 +68,19 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def check_dataloader(dataloader: DataLoader, *, index: int = 0, caller: str = "engine") -> None:
+def check_dataloader(dataloader: DataLoader, *, caller: str | None = None) -> None:
     """Refuse a DataLoader whose data is split per rank already (ds_engine shards it itself).
 
-    Called for every loader `prepare` is given, before any collective on it; the same on every rank.
+    `prepare` calls it for every loader before any process group work (and again when the loader
+    is wrapped); the same on every rank. `caller`: what the script calls the Engine, for the message.
 
     Raises:
         ValueError: A `DistributedSampler` (as `sampler`, or inside the `batch_sampler`), or a
             `datasets.IterableDataset` already split by `split_dataset_by_node`.
     """
-    where = f"`{caller}.prepare`: dataloader #{index}"
+    where = (
+        f"`{caller + '.' if caller else ''}prepare`: the DataLoader over {type(dataloader.dataset).__name__}"
+    )
     samplers = [getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None)]
     samplers.append(getattr(samplers[1], "sampler", None))
     for sampler in samplers:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from ds_engine import process_group
 from ds_engine.collectives import iter_tensors
 from ds_engine.config import ConfigError
+from ds_engine.dataloader import check_dataloader
 from ds_engine.scheduler import is_scheduler
 
 __all__ = [
@@ -147,7 +148,8 @@ def sort_prepare_arguments(
 
     Raises:
         TypeError: An object that is not a model, optimizer, DataLoader or LR scheduler.
-        ValueError: Two of a kind, a second model, or an optimizer / scheduler without a model.
+        ValueError: Two of a kind, a second model, an optimizer / scheduler without a model, or a
+            DataLoader whose data is split per rank already (`check_dataloader`).
     """
     models = [o for o in objects if isinstance(o, torch.nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
@@ -185,6 +187,8 @@ def sort_prepare_arguments(
             "earlier call without one (inference only). HINT: pass them in one call: "
             "engine.prepare(model, optimizer, ...)."
         )
+    for loader in loaders:  # before any process group work
+        check_dataloader(loader)
     return models, optimizers, loaders, schedulers
 
 

@@ -409,3 +409,17 @@ def test_an_engine_trains_a_stream_with_the_short_last_window_weighted_right(ga,
     lengths = [ga] * (7 // ga) + ([7 % ga] if 7 % ga else [])
     assert boundaries == [i + 1 == n for n in lengths for i in range(n)]
     assert engine.num_optimizer_steps == len(lengths) and seen == 7
+
+
+def test_prepare_refuses_a_split_loader_while_sorting_its_arguments():
+    """Before any process group work: `sort_prepare_arguments` runs first in `prepare`."""
+    from torch.utils.data import DistributedSampler
+
+    from ds_engine.guards import sort_prepare_arguments
+
+    ds = TensorDataset(torch.arange(8).float())
+    dl = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, num_replicas=2, rank=0))
+    with pytest.raises(
+        ValueError, match=r"`prepare`: the DataLoader over TensorDataset samples with a Distrib"
+    ):
+        sort_prepare_arguments((dl,), None)
