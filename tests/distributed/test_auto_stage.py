@@ -1,7 +1,8 @@
 """`Engine(zero_stage="auto")` on 2 real DeepSpeed ranks (CPU, gloo): with a memory budget that
 ZeRO-2's estimated peak does not fit (with the 20 % margin) and ZeRO-3's does, both ranks choose
 ZeRO-3, DeepSpeed runs it, rank 0 alone logs the one decision line, and each rank's measured peak
-resident memory over its baseline stays under the budget.
+resident memory over its baseline stays under the budget. Ranks given different budgets decide
+differently: every rank stops with an error saying so.
 
 The model is the memory-peak benchmark's 4-layer Llama decoder (21M parameters, bf16, AdamW, micro
 batch 2 x 128 tokens) with `stage3_max_live_parameters` = 1M: with DeepSpeed's default ZeRO-3 keeps
@@ -59,3 +60,15 @@ def test_auto_chooses_zero_3_under_a_budget_zero_2_does_not_fit_and_stays_under_
     decided = [line for line in ranks[0]["lines"] if 'zero_stage="auto" chose' in line]
     assert len(decided) == 1 and "ZeRO-3:" in decided[0] and "ZeRO-2 needs" in decided[0]
     assert not any("auto" in line for line in ranks[1]["lines"])
+
+
+def test_ranks_that_decide_differently_all_stop_and_say_why() -> None:
+    """A rank whose budget differs (a GPU of another size) decides another stage: every rank stops
+    with an error saying to give one budget, none trains on a set-up its peers do not run."""
+    budget = int(_peak(3) * (1 + MARGIN)) + 10**6
+    ranks = run_workers(
+        "auto_stage.py", "--budget", str(budget), "--budget-rank1", "100GB", "--live", str(LIVE), timeout=600
+    )
+    for rank in ranks:
+        assert "was decided differently across ranks" in rank["error"], rank
+        assert "HINT: pass memory_budget=" in rank["error"]
