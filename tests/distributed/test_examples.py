@@ -65,6 +65,7 @@ EXAMPLES = {
     "distillation": ([], r"^step 2: distillation loss [\d.]+$"),
     "generation": ([], r"^rank 1: 'the film[^']*'$"),
     "accelerate_port": (["--config", "zero2"], r"^epoch 1: accuracy [\d.]+ on 20 examples"),
+    "stream_clm": ([], r"^step 6: token loss [\d.]+ over \d+ tokens$"),
 }
 
 
