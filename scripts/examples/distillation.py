@@ -31,7 +31,7 @@ teacher_engine = Engine(zero_stage=3)  # inference only: no optimizer, no optimi
 student_engine = Engine(zero_stage=2, gradient_accumulation_steps=2, gradient_clipping=1.0)
 with teacher_engine.init_context():
     teacher = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).requires_grad_(False)
-teacher = teacher_engine.prepare(teacher)
+teacher = teacher_engine.prepare(teacher)  # sharded, no optimizer state
 teacher.eval()
 student_config = AutoConfig.from_pretrained(path, num_labels=2, num_hidden_layers=2)
 student = AutoModelForSequenceClassification.from_config(student_config)

@@ -133,7 +133,7 @@ def main() -> None:
     np.random.seed(200 + rank())
     torch.manual_seed(300 + rank())
 
-    client = engine.autosave(
+    client = engine.autosave(  # resumes from args.ckpt if it holds a checkpoint
         args.ckpt,
         every_steps=args.every,
         keep_last=2,
@@ -152,7 +152,7 @@ def main() -> None:
         kill_inside_saves(engine, int(fire_step), where, marker)
     log = open(out / f"steps_rank{rank()}.jsonl", "a", buffering=1)  # noqa: SIM115 - closed after the loop
     window: list[int] = []
-    for _epoch in range(train_dl.epoch, EPOCHS):
+    for _epoch in range(train_dl.epoch, EPOCHS):  # a resumed run continues its epoch
         for x, y, ids in train_dl:
             with engine.accumulate(model):
                 if (
