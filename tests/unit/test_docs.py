@@ -91,6 +91,15 @@ def test_every_docs_snippet_names_the_complete_file_it_comes_from(page: Path) ->
         named = re.search(r"#\s*excerpt\b.*?((?:scripts|tests)/\S+\.py)", first)
         assert named, f"{page.name}: a python block does not start with '# excerpt of <file>': {first!r}"
         assert (ROOT / named.group(1)).is_file(), f"{page.name} names a missing file: {named.group(1)}"
+        source = {line.strip() for line in (ROOT / named.group(1)).read_text(encoding="utf-8").splitlines()}
+        drifted = [
+            line.strip()
+            for line in block.strip().splitlines()[1:]
+            if line.strip() and line.strip() != "..." and line.strip() not in source
+        ]
+        assert drifted == [], (
+            f"{page.name}: lines of the excerpt of {named.group(1)} not in that file: {drifted}"
+        )
 
 
 def test_the_package_map_names_every_module() -> None:
@@ -109,3 +118,11 @@ def test_the_package_map_names_every_module() -> None:
         ):
             unnamed.append(relative)
     assert unnamed == [], f"docs/design.md's package map does not name: {unnamed}"
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_no_placeholder_is_left_where_a_figure_belongs(page: Path) -> None:
+    placeholders = [
+        line for line in page.read_text(encoding="utf-8").splitlines() if re.fullmatch(r"[A-Z_]{6,}", line)
+    ]
+    assert placeholders == [], f"{page.name}: placeholders instead of figures: {placeholders}"
