@@ -110,6 +110,12 @@ _POSITION_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
+def _is_generator_state(value: Any) -> bool:
+    """A tensor `torch.Generator.set_state` takes: 1-D uint8 of a CPU generator state's size."""
+    size = torch.Generator().get_state().numel()
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.shape == (size,)
+
+
 def _check_engine_state(saved: Any, path: Path) -> None:
     """Refuse an `engine_state.pt` whose shape or values are not what `Engine.state_dict()` writes.
 
@@ -142,6 +148,12 @@ def _check_engine_state(saved: Any, path: Path) -> None:
         if not isinstance(position, dict):
             refuse(f"dataloaders[{index}]", f"is {_short(position)}", "a dict of a dataloader's position")
         check(position, _POSITION_KEYS, f"dataloaders[{index}].")
+        if "shuffle_state" in position and not _is_generator_state(position["shuffle_state"]):
+            refuse(
+                f"dataloaders[{index}].shuffle_state",
+                f"is {_short(position['shuffle_state'])}",
+                "a torch.Generator state (a 1-D uint8 tensor of its size)",
+            )
         epoch_batches = -(-position["num_samples"] // (position["batch_size"] * position["num_replicas"]))
         if position["next_batch"] > epoch_batches:
             refuse(

@@ -34,6 +34,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from ds_engine._io import broadcast_from_rank0
 from ds_engine.sharding import (
     UNKNOWN_LENGTH,
     BatchSamplerShard,
@@ -99,6 +100,18 @@ def check_dataloader(dataloader: DataLoader, *, caller: str | None = None) -> No
             "(every rank reads it and keeps its slice of each global batch). HINT: pass the whole "
             "stream, without `split_dataset_by_node`."
         )
+
+
+def _prepared_shuffle(sampler: RandomSampler) -> tuple[int, torch.Tensor]:
+    """(seed, generator state) a shuffled loader's order is drawn from, as accelerate prepares it:
+    the sampler's own generator as it is now, or else a new one seeded from one draw of the global
+    torch RNG (made on every rank, as accelerate does); rank 0's state on every rank."""
+    generator = sampler.generator
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    state = broadcast_from_rank0(generator.get_state())
+    return int(generator.initial_seed()), state
 
 
 def _keep(item: Any) -> Any:
@@ -269,8 +282,9 @@ class PreparedDataLoader:
         self.kind = "indices" if batch_size is not None else "items"
         shuffle = isinstance(sampler, RandomSampler)
         custom = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
-        if shuffle and getattr(sampler, "generator", None) is not None:
-            seed = int(sampler.generator.initial_seed())
+        shuffle_state = None
+        if shuffle:
+            seed, shuffle_state = _prepared_shuffle(sampler)
         self.batch_sampler = ShardedBatchSampler(
             len(custom) if custom is not None else len(dataloader.dataset),  # type: ignore[arg-type]
             batch_size or 1,
@@ -280,6 +294,10 @@ class PreparedDataLoader:
             seed=seed,
             drop_last=drop_last,
             index_sampler=custom,
+            shuffle_state=shuffle_state,
+            loader_draws_from_it=shuffle
+            and dataloader.generator is not None
+            and dataloader.generator is getattr(sampler, "generator", None),
         )
         if batch_size is None:  # each index is a whole batch: fetched and converted one at a time
             self._loader = DataLoader(
@@ -462,6 +480,9 @@ class PreparedDataLoader:
         }
         if self.kind != "indices":
             state["data"] = self.kind
+        shuffle_state = getattr(self.batch_sampler, "shuffle_state", None)
+        if shuffle_state is not None:  # the order of every epoch, whatever seeds the resumed run
+            state["shuffle_state"] = shuffle_state.clone()
         return state
 
     def load_checkpoint_state(self, saved: Mapping[str, Any], *, index: int = 0) -> None:
@@ -509,6 +530,9 @@ class PreparedDataLoader:
                 "per epoch. HINT: the saved position does not fit this data; restore the checkpoint's "
                 "file, or load an older tag with `tag=...`."
             )
+        shuffled = getattr(self.batch_sampler, "shuffle_state", None) is not None
+        if shuffled and saved.get("shuffle_state") is not None:  # its shape was checked on load
+            self.batch_sampler.shuffle_state = saved["shuffle_state"].clone()
         self.load_state_dict({"epoch": int(saved["epoch"]), "batch_index": next_batch})
         # load_state_dict pins the epoch; the saved run may have let it advance by itself
         self._epoch_set_explicitly = bool(saved["epoch_set_explicitly"])
@@ -522,6 +546,11 @@ class PreparedDataLoader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         start = self.batch_sampler.skip_batches
+        if self.base_dataloader.generator is None and not (start and self._restored_epoch is not None):
+            # each pass over a torch DataLoader (accelerate's too) draws its base seed from the
+            # global RNG; so does this one, so the model's random stream (dropout) is theirs. Not
+            # when resuming a checkpoint mid-epoch: that draw is in the RNG state it restored.
+            torch.empty((), dtype=torch.int64).random_()
         self._generator.manual_seed(self.batch_sampler.seed + self.batch_sampler.epoch)
         self.in_progress = True
         self._left_at, self._restored_epoch = None, None

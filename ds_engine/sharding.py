@@ -32,12 +32,41 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["UNKNOWN_LENGTH", "BatchSamplerShard", "ShardedBatchSampler", "StreamWindows", "shard_stream"]
+__all__ = [
+    "UNKNOWN_LENGTH",
+    "BatchSamplerShard",
+    "ShardedBatchSampler",
+    "StreamWindows",
+    "epoch_permutation",
+    "shard_stream",
+]
 
 UNKNOWN_LENGTH = sys.maxsize
 """The length of an epoch whose end has not been seen yet (a stream)."""
 
 T = TypeVar("T")
+
+
+def epoch_permutation(
+    generator: torch.Generator, n: int, epoch: int, loader_draws_from_it: bool
+) -> list[int]:
+    """The order torch's `RandomSampler` gives in `epoch` (from 0), its `generator` in the state
+    it had when the loader was prepared, iterated as a DataLoader iterates it under accelerate.
+
+    Each epoch draws, in this order: the DataLoader's base seed when it shares the sampler's
+    generator, the epoch's permutation, and the second permutation `RandomSampler` draws and
+    slices empty when it is exhausted. Replaying the earlier epochs makes any epoch's order a
+    function of the prepared state and the epoch number alone (resumable), at the cost of two
+    permutations per earlier epoch.
+    """
+    order = torch.empty(0, dtype=torch.int64)
+    for done in range(epoch + 1):
+        if loader_draws_from_it:
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+        order = torch.randperm(n, generator=generator)
+        if done < epoch:
+            torch.randperm(n, generator=generator)
+    return order.tolist()
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -54,6 +83,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         seed: int,
         drop_last: bool,
         index_sampler: Sampler | None = None,
+        shuffle_state: torch.Tensor | None = None,
+        loader_draws_from_it: bool = False,
     ) -> None:
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -61,6 +92,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
+        self.shuffle_state = shuffle_state
+        """The sampler's generator state at `prepare`, whose draws give each epoch's order (None:
+        a generator seeded `seed + epoch`)."""
+        self.loader_draws_from_it = loader_draws_from_it
+        """The DataLoader shares the sampler's generator: it draws its base seed from it first."""
         self.drop_last = drop_last
         self.index_sampler = index_sampler  # a custom user sampler, used as is
         self.epoch = 0
@@ -69,6 +105,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def _order(self) -> list[int]:
         if self.index_sampler is not None:
             return list(self.index_sampler)
+        if self.shuffle and self.shuffle_state is not None:
+            generator = torch.Generator()
+            generator.set_state(self.shuffle_state)
+            return epoch_permutation(generator, self.num_samples, self.epoch, self.loader_draws_from_it)
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)

@@ -79,9 +79,9 @@ class Accelerator(Engine):
     `num_processes` times per applied optimizer step, as accelerate steps it); set
     `accelerator.schedule_sized_from = "prepared"` before `prepare` for the other reading.
 
-    `rng_types` is accepted and changes nothing: accelerate synchronises those process RNGs
-    so that every rank shuffles alike, and a loader prepared here shuffles from seed + epoch,
-    the same on every rank, without them (seed the process RNGs with `set_seed`).
+    `rng_types` is accepted and changes nothing: a loader prepared here shuffles in accelerate's
+    order (its default `rng_types=["generator"]`: rank 0's generator on every rank), and the
+    process RNGs are left alone (seed them with `set_seed`).
     `ds_engine.accelerate_compat.constructor.ARGUMENTS` says what each argument becomes.
     """
 
@@ -225,7 +225,7 @@ class Accelerator(Engine):
 
     @property
     def use_seedable_sampler(self) -> bool:
-        return True
+        return False
 
     @property
     def non_blocking(self) -> bool:

@@ -176,7 +176,12 @@ COMPAT: dict[str, tuple[str, str]] = {
     "unscale_gradients": (NOT_APPLICABLE, "the Engine unscales inside the optimizer step"),
     "unwrap_model": (SUPPORTED, "`keep_fp32_wrapper` / `keep_torch_compile` accepted"),
     "use_distributed": (SUPPORTED, ""),
-    "use_seedable_sampler": (SUPPORTED, "always True: the Engine's sampler is seeded (seed + epoch)"),
+    "use_seedable_sampler": (
+        DIFFERS,
+        "always False, accelerate's default: one generator seeded at prepare, continued across "
+        "epochs, recorded in checkpoints; `DataLoaderConfiguration(use_seedable_sampler=True)` is "
+        "accepted but its per-epoch reseeding is not followed (docs/data_pipelines.md)",
+    ),
     "use_stateful_dataloader": (SUPPORTED, "always True: checkpoints hold the loader's position"),
     "verify_device_map": (SUPPORTED, ""),
     "wait_for_everyone": (SUPPORTED, ""),

@@ -65,8 +65,9 @@ ARGUMENTS: dict[str, tuple[str, str]] = {
     "megatron_lm_plugin": (REFUSED, "no Megatron-LM"),
     "rng_types": (
         IGNORED,
-        "nothing to synchronise: a prepared loader shuffles from seed + epoch, the same on every rank "
-        "(its workers' seeds too); the process RNGs are left alone (seed them with `set_seed`)",
+        "nothing to synchronise: a prepared loader shuffles as accelerate's default ('generator') "
+        "does, from rank 0's generator on every rank; the process RNGs are left alone (seed them "
+        "with `set_seed`)",
     ),
     "log_with": (MAPPED, "the trackers `init_trackers` starts (accelerate's classes, and 'jsonl')"),
     "project_dir": (MAPPED, "the project configuration's `project_dir` (and `logging_dir`)"),

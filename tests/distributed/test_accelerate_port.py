@@ -106,6 +106,7 @@ _CASES = {
     "checkpoint_example.py": ((), ("full.json", "resumed.json")),
     "handwritten_accumulation_example.py": ((), ("result.json",)),
     "metrics_tracking_example.py": ((), ("result.json",)),
+    "shuffle_example.py": ((), ("result.json",)),
 }
 _REFERENCE_ONLY = {"deepspeed_config_example.py": ((), ("result.json",))}
 
@@ -136,6 +137,8 @@ def _check(example: str, ours: dict, theirs: dict) -> None:
         assert resumed["losses"] == pytest.approx(full["losses"][-tail:], rel=1e-6)  # resume is exact
     else:
         _same(ours["result.json"], theirs["result.json"])
+    if example == "shuffle_example.py":  # the same samples in the same order on each rank
+        assert ours["result.json"]["orders"] == theirs["result.json"]["orders"]
     if example == "metrics_tracking_example.py":
         result, expected = ours["result.json"], theirs["result.json"]
         assert result["counted"] == expected["counted"] == [13, 13]  # padding dropped

@@ -116,9 +116,12 @@ def test_move_to_device_keeps_structure():
     assert set(moved) == {"a", "b", "c"} and moved["b"][1] == 3 and isinstance(moved["c"], tuple)
 
 
-def test_iterating_does_not_touch_the_global_torch_rng():
+def test_each_pass_draws_the_base_seed_a_torch_dataloader_draws_from_the_global_rng():
+    # a torch DataLoader (and accelerate's) draws one int64 from the global RNG per pass: the
+    # model's random stream after it (dropout) is the same as theirs
     loader = _loader(shuffle=True)
     torch.manual_seed(11)
+    torch.empty((), dtype=torch.int64).random_()
     expected = torch.rand(3)
     torch.manual_seed(11)
     for _ in loader:
@@ -126,7 +129,35 @@ def test_iterating_does_not_touch_the_global_torch_rng():
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_a_shuffled_order_is_accelerates_and_is_drawn_once_at_prepare():
+    from torch.utils.data import DataLoader as TorchLoader
+
+    torch.manual_seed(3)
+    plain = TorchLoader(range(10), batch_size=2, shuffle=True)
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())  # what accelerate's prepare draws
+    plain.sampler.generator = torch.Generator().manual_seed(seed)
+    torch_epochs = [[int(i) for batch in plain for i in batch] for _ in range(3)]
+    torch.manual_seed(3)
+    loader = _loader(shuffle=True, world=1)
+    ours = [[int(i) for batch in loader for i in batch[0].squeeze(1).tolist()] for _ in range(3)]
+    assert ours == torch_epochs  # every epoch, as torch's sampler continues its generator
+
+
+def test_a_resumed_shuffle_keeps_the_saved_order_whatever_the_new_run_draws():
+    torch.manual_seed(5)
+    loader = _loader(shuffle=True)
+    it = iter(loader)
+    next(it)
+    saved = loader.checkpoint_state()
+    rest = [b[0].squeeze(1).tolist() for b in it]
+    torch.manual_seed(6)  # the resumed run seeds otherwise: its own draw would give another order
+    resumed = _loader(shuffle=True)
+    resumed.load_checkpoint_state(saved)
+    assert [b[0].squeeze(1).tolist() for b in resumed] == rest
+
+
 def test_state_dict_mid_epoch_points_at_the_next_batch_and_resume_keeps_advancing_epochs():
+    torch.manual_seed(0)  # both runs seed alike, so prepare draws the same order
     loader = _loader(shuffle=True)
     it = iter(loader)
     next(it)
@@ -134,6 +165,7 @@ def test_state_dict_mid_epoch_points_at_the_next_batch_and_resume_keeps_advancin
     assert state == {"epoch": 0, "batch_index": 1}
     rest_of_epoch0 = [b[0].squeeze(1).tolist() for b in it]
     epoch1 = [b[0].squeeze(1).tolist() for b in loader]
+    torch.manual_seed(0)
     resumed = _loader(shuffle=True)
     resumed.load_state_dict(state)
     assert [b[0].squeeze(1).tolist() for b in resumed] == rest_of_epoch0
