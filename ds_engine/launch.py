@@ -310,7 +310,31 @@ _CONSEQUENTIAL_SIGNALS = {"SIGTERM": 2, "SIGABRT": 1}
 _CONSEQUENCE_DELAY_S = 5
 
 
-def _how(failure: Any) -> str:
+def _recorded(failure: Any) -> dict[str, Any] | None:
+    """What a rank wrote into torchrun's error file before it ended (its exception), or None."""
+    data = getattr(failure, "error_file_data", None)
+    if not isinstance(data, dict) or not isinstance(data.get("message"), dict):
+        return None
+    text = str(data["message"].get("message") or "").strip().splitlines()
+    if not text:
+        return None
+    first = text[0]
+    ours = data.get("ds_engine")
+    if not isinstance(ours, dict):
+        ours = {}
+    when = ours.get("time")
+    return {
+        "message": first,
+        "time": float(when) if isinstance(when, (int, float)) else float(failure.timestamp),
+        "peer_failure": ours.get("peer_failure") is True,
+    }
+
+
+def _how(failure: Any, limit: int = 300) -> str:
+    recorded = _recorded(failure)
+    if recorded is not None:
+        text = recorded["message"]
+        return f"raised {text if len(text) <= limit else text[: limit - 3] + '...'}"
     code = failure.exitcode
     return f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
 
@@ -320,18 +344,23 @@ def _failure_message(exc: Exception) -> str:
     if not failures:
         return f"the launch failed: {exc}"
 
-    def order(rank: int) -> tuple[int, int, int]:
+    def order(rank: int) -> tuple[float, int, int]:
         failure = failures[rank]
+        recorded = _recorded(failure)
+        if recorded is not None:  # it raised: when, exactly, and whether only a peer's loss
+            consequence = 1 if recorded["peer_failure"] else 0
+            return recorded["time"] + (_CONSEQUENCE_DELAY_S if consequence else 0), consequence, rank
         signal = failure.signal_name() if failure.exitcode < 0 else ""
         consequence = _CONSEQUENTIAL_SIGNALS.get(signal, 0)
-        # torchrun stamps failures in whole seconds, and a rank that raised is stamped when its
-        # process has exited, after the peers it aborted: name the failure that is not the usual
-        # consequence of another's unless that consequence came clearly first.
+        # torchrun stamps failures in whole seconds, and a rank that raised without recording
+        # it is stamped when its process has exited, after the peers it aborted: name the
+        # failure that is not the usual consequence of another's unless that consequence came
+        # clearly first.
         return failure.timestamp + (_CONSEQUENCE_DELAY_S if consequence else 0), consequence, rank
 
     rank, *others = sorted(failures, key=order)
     failure = failures[rank]
-    tail = "; ".join(f"rank {r} {_how(failures[r])}" for r in sorted(others))
+    tail = "; ".join(f"rank {r} {_how(failures[r], limit=100)}" for r in sorted(others))
     tail = f" (also failed: {tail})" if tail else ""
     return (
         f"rank {rank} (local rank {failure.local_rank}) {_how(failure)}{tail}; the other ranks were "

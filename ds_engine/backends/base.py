@@ -41,7 +41,73 @@ def destroy_process_group_at_exit() -> None:
     global _TEARDOWN_REGISTERED
     if not _TEARDOWN_REGISTERED:
         atexit.register(_destroy_process_group)
+        _record_uncaught_exceptions_for_the_launcher()
         _TEARDOWN_REGISTERED = True
+
+
+#: Words of the errors a collective raises when a peer's process has gone (gloo, NCCL, c10d):
+#: such an exception is the consequence of another rank's failure, not a cause.
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crash",
+    "remote process exited",
+    "communicator was aborted",
+    "broken pipe",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is how a collective reports that another rank's process went away."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc).lower()
+    return any(words in text for words in _PEER_GONE)
+
+
+def _record_uncaught_exceptions_for_the_launcher() -> None:
+    """Under torchrun, write an exception that ends this rank into torchrun's error file.
+
+    The group is torn down at exit (above), which aborts the peers; a rank that raised may
+    still be exiting when the launcher records a peer's abort, and torchrun then stops it with
+    SIGTERM, so its exit status no longer says it raised. The error file does: `ds-engine
+    launch` names the rank that raised first, and its message, as the cause. The file is
+    torchrun's own format (what its ``@record`` decorator writes), plus the exact time and
+    whether the exception only reports a peer that went away; one written by the script
+    itself is kept.
+    """
+    import sys
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    previous = sys.excepthook
+
+    def record(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):  # never mask the exception being reported
+            if not issubclass(kind, KeyboardInterrupt) and not os.path.exists(error_file):
+                import json
+                import time
+                import traceback
+
+                now = time.time()
+                data = {
+                    "message": {
+                        "message": f"{kind.__name__}: {value}",
+                        "extraInfo": {
+                            "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                            "timestamp": str(int(now)),
+                        },
+                    },
+                    "ds_engine": {"time": now, "peer_failure": is_peer_failure(value)},
+                }
+                with open(error_file, "w", encoding="utf-8") as fp:
+                    json.dump(data, fp)
+        previous(kind, value, tb)
+
+    sys.excepthook = record
 
 
 def _destroy_process_group() -> None:

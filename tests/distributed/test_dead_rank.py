@@ -22,16 +22,17 @@ from tests.distributed.launcher import WORKERS, run_command
 pytestmark = pytest.mark.distributed
 
 LAUNCH = [sys.executable, "-m", "ds_engine.cli", "launch", "--nproc-per-node", "2"]
+#: How the summary names a rank that raised: its exception, whether or not torchrun had to stop
+#: its process while it exited.
+RAISED = "raised RuntimeError: dead_rank: rank 1 raises on purpose"
 
 
 @pytest.mark.parametrize(
     ("backend", "mode", "how"),
     [
-        pytest.param("accelerate", "raise", "exited with code 1", id="fallback-raise"),
+        pytest.param("accelerate", "raise", RAISED, id="fallback-raise"),
         pytest.param("accelerate", "kill", "was killed by SIGKILL", id="fallback-sigkill"),
-        pytest.param(
-            "deepspeed", "raise", "exited with code 1", id="deepspeed-raise", marks=pytest.mark.deepspeed
-        ),
+        pytest.param("deepspeed", "raise", RAISED, id="deepspeed-raise", marks=pytest.mark.deepspeed),
         pytest.param(
             "deepspeed", "kill", "was killed by SIGKILL", id="deepspeed-sigkill", marks=pytest.mark.deepspeed
         ),

@@ -222,6 +222,59 @@ def test_failure_summary_names_a_raising_rank_stamped_after_the_peer_it_aborted(
     )
 
 
+def test_failure_summary_names_the_exception_a_rank_recorded_even_if_it_was_stopped_later(tmp_path) -> None:
+    # rank 1 raised and recorded it (the Engine's hook writes torchrun's error file); still
+    # exiting when rank 0 aborted, it was then stopped by torchrun's SIGTERM
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: boom",
+                    "extraInfo": {"py_callstack": "", "timestamp": "103"},
+                }
+            }
+        )
+    )
+    raised = ProcessFailure(local_rank=1, pid=1001, exitcode=-15, error_file=str(error_file))
+    aborted = ProcessFailure(local_rank=0, pid=1000, exitcode=-6, error_file="")
+    aborted.timestamp = 101
+    message = _failure_message(ChildFailedError("train.py", {0: aborted, 1: raised}))
+    assert message.startswith(
+        "rank 1 (local rank 1) raised RuntimeError: boom (also failed: rank 0 was killed by SIGABRT)"
+    ), message
+
+
+def test_a_recorded_lost_peer_is_a_consequence_not_the_cause(tmp_path) -> None:
+    # rank 1 SIGKILLed (no error file); rank 0's collective then raised "Connection closed by
+    # peer", recorded with its exact time, which is later than rank 1's death though torchrun
+    # stamped that death in the next whole second
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ds_engine.backends.base import is_peer_failure
+
+    text = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:43140"
+    assert is_peer_failure(RuntimeError(text)) and not is_peer_failure(RuntimeError("boom"))
+    error_file = tmp_path / "error.json"
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": "100"}},
+                "ds_engine": {"time": 100.4, "peer_failure": True},
+            }
+        )
+    )
+    lost = ProcessFailure(local_rank=0, pid=1000, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=1, pid=1001, exitcode=-9, error_file="")
+    killed.timestamp = 101
+    message = _failure_message(ChildFailedError("train.py", {0: lost, 1: killed}))
+    assert message.startswith(
+        "rank 1 (local rank 1) was killed by SIGKILL (also failed: rank 0 raised RuntimeError: [pair.cc:553]"
+    ), message
+
+
 def test_failure_summary_breaks_whole_second_ties_towards_the_cause() -> None:
     # rank 1 SIGKILLed; in the same second rank 0 aborted on the broken connection, and
     # torchrun stamped both alike: rank 1 is the cause, rank 0 the consequence
