@@ -80,8 +80,10 @@ class DeepSpeedBackend(Backend):
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
+        from ds_engine._build_locks import check_no_stale_build_lock
         from ds_engine.restarts import init_restarted_process_group
 
+        check_no_stale_build_lock()  # DeepSpeed loads its ops from here on: never wait on a dead build
         if dist.is_initialized():
             return
         _ensure_launch_env()
