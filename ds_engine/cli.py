@@ -13,7 +13,7 @@ import errno
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from ds_engine._cli_errors import CLIError, _in_flag_terms
@@ -372,18 +372,44 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse's own errors: keep them to one line plus the usage, exit 2.
         self.print_usage(sys.stderr)
-        self.exit(2, f"ds-engine: error: {message}\n")
+        self.exit(2, f"ds-engine: error: {message}{self._command_hint(message)}\n")
+
+    def _command_hint(self, message: str) -> str:
+        """ "; did you mean config?" for a misspelt command."""
+        typed = re.search(r"invalid choice: '([^']*)'", message)
+        commands = [c for a in self._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+        close = difflib.get_close_matches(typed.group(1), commands, n=1, cutoff=0.6) if typed else []
+        return f"; did you mean {close[0]}?" if close else ""
 
 
-def _did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
-    """ "; did you mean --zero-stage?" for each misspelt flag in `unknown` close to one of `parser`'s."""
-    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+
+
+def _did_you_mean(
+    parser: argparse.ArgumentParser, unknown: Sequence[str], commands: Mapping[str, Any] | None = None
+) -> str:
+    """ "; did you mean --zero-stage?" for each misspelt flag in `unknown` close to one of `parser`'s,
+    or which other command has it ("--zero-stage is an option of `ds-engine config`, ...")."""
+    options = _long_options(parser)
     hints = []
     for arg in unknown:
-        if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
-            if close:
-                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.7)
+        longer = [o for o in options if o.startswith(flag + "-")]
+        if close or len(longer) == 1:
+            hints.append(f"{flag}: did you mean {(close or longer)[0]}?")
+            continue
+        elsewhere = [
+            name
+            for name, other in (commands or {}).items()
+            if other is not parser and flag in _long_options(other)
+        ]
+        if elsewhere:
+            names = ", ".join(f"`ds-engine {name}`" for name in elsewhere)
+            hints.append(f"{flag} is an option of {names}, not of `{parser.prog}`")
     return "".join(f"; {hint}" for hint in hints)
 
 
@@ -419,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = args.commands.get(args.command, parser)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, unknown)}")
+        hints = _did_you_mean(command, unknown, args.commands)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
     if args.command != "launch":  # the launched script's Engine decides what its ranks print
         quiet_deepspeed_log()
     try:

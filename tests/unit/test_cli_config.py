@@ -262,6 +262,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         (["estimate", "--params", "7B", "--hedroom=0.3"], "--hedroom: did you mean --headroom?"),
         (["launch", "--nproc", "2", "train.py"], "--nproc: did you mean --nproc-per-node?"),
         (["plot", "m.jsonl", "--ouput", "x.png"], "--ouput: did you mean --output?"),
+        (["estimate", "--params", "7B", "--gpus", "8"], "--gpus: did you mean --gpus-per-node?"),
+        (
+            ["estimate", "--params", "7B", "--zero-stage", "3"],
+            "--zero-stage is an option of `ds-engine config`, not of `ds-engine estimate`",
+        ),  # not the look-alike --no-zero-init
     ],
 )
 def test_exact_flags_only_with_a_suggestion(
@@ -274,6 +279,18 @@ def test_exact_flags_only_with_a_suggestion(
     assert err.startswith(f"usage: ds-engine {argv[0]} "), err  # the subcommand's usage, not the top one
     last = err.strip().splitlines()[-1]
     assert last.startswith("ds-engine: error: unrecognized arguments: ") and suggestion in last, last
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("confg", "config"), ("estmate", "estimate"), ("lanch", "launch")]
+)
+def test_a_misspelt_command_gets_a_suggestion(
+    typed: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([typed])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"; did you mean {meant}?")
 
 
 def test_every_option_has_help_and_says_its_default() -> None:
