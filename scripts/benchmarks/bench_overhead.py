@@ -1,6 +1,6 @@
 """Overhead of ds_engine over raw DeepSpeed and plain accelerate, on 2 CPU ranks.
 
-    .venv/bin/python scripts/benchmarks/bench_overhead.py                 # <= ~14 min (--budget 840)
+    .venv/bin/python scripts/benchmarks/bench_overhead.py                 # <= ~14 min (--budget 840), two sizes
     .venv/bin/python scripts/benchmarks/bench_overhead.py --budget 1800   # more pairs: a narrower interval
     .venv/bin/python scripts/benchmarks/bench_overhead.py --settings zero3,accelerate --ttfs-settings none
     .venv/bin/python scripts/benchmarks/bench_overhead.py --steps 20 --rounds 1  # fixed pairs, no early stop
@@ -8,12 +8,14 @@
 
 Three tables, each run with torchrun on 2 ranks (gloo, `GLOO_SOCKET_IFNAME=lo`,
 `OMP_NUM_THREADS=1`) by `_bench_overhead_worker.py`, all on one GPT-2 built from a
-config: by default 2 layers, hidden 64, vocab 1024, seq 32, micro batch 2, GA=4, fp32, AdamW,
-gradient clipping 1.0 (0.17M parameters), chosen so that a step is cheap and many pairs fit in
-the budget. ds_engine's per-step work (accumulate / backward / step bookkeeping, the ZeRO-0
-non-finite check, the loader wrapper) does not shrink with the model, so a small model makes
-its share of a step larger, not smaller. The model of the earlier figures (5.3M parameters):
-`--layers 4 --hidden 256 --vocab 8192 --seq 64 --micro-batch 4`.
+config, at two sizes by default (`--sizes`, the budget shared evenly): `small`, 2 layers, hidden
+64, vocab 1024, seq 32, micro batch 2 (0.17M parameters), where a step is cheap and many pairs fit
+in the budget; ds_engine's per-step work (accumulate / backward / step bookkeeping, the ZeRO-0
+non-finite check, the loader wrapper) does not shrink with the model, so there its share of a
+step is largest. `medium`, 4 layers, hidden 256, vocab 8192, seq 64, micro batch 4 (5.3M
+parameters), where the model's own work dominates a step as it does at real sizes. Both with
+GA=4, fp32, AdamW, gradient clipping 1.0. `--layers/--hidden/--vocab/--seq/--micro-batch` give
+a model of your own instead (unset ones from `small`).
 
 **Per-step overhead.** For every setting the same model is trained twice on the same seed and
 data: raw DeepSpeed (`deepspeed.initialize` + `engine.backward(loss); engine.step()` on every
@@ -83,6 +85,12 @@ from _launch import run_command, torchrun_command
 WORKER = Path(__file__).resolve().with_name("_bench_overhead_worker.py")
 NULL_SETTING = "zero0-null"  # raw DeepSpeed against itself: the noise floor
 SETTINGS = (NULL_SETTING, "zero0", "zero2", "zero2-coalesce", "zero3", "zero3-coalesce", "accelerate")
+#: The default model sizes: `small` (0.17M parameters) makes ds_engine's fixed per-step work the
+#: largest share of a step; `medium` (5.3M) is the first size whose step is mostly the model's.
+SIZES = {
+    "small": {"layers": 2, "hidden": 64, "vocab": 1024, "seq": 32, "micro_batch": 2},
+    "medium": {"layers": 4, "hidden": 256, "vocab": 8192, "seq": 64, "micro_batch": 4},
+}
 TTFS_STAGES = ("zero0", "zero2", "zero3")
 TARGET = 1.02
 TTFS_TARGET = 1.1
@@ -595,11 +603,18 @@ def main() -> int:
         default="16,6",
         help="ds_engine/raw pairs: one number, or one per --ttfs-settings stage",
     )
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help=f"model sizes for the per-step table, comma list of {', '.join(SIZES)} (default: both; "
+        "the budget is shared evenly); ignored when any of --layers/--hidden/--vocab/--seq/--micro-batch "
+        "is given",
+    )
+    parser.add_argument("--layers", type=int, help="a model of your own: layers (default: --sizes)")
+    parser.add_argument("--hidden", type=int, help="a model of your own: hidden size")
+    parser.add_argument("--vocab", type=int, help="a model of your own: vocabulary")
+    parser.add_argument("--seq", type=int, help="a model of your own: sequence length")
+    parser.add_argument("--micro-batch", type=int, help="a model of your own: micro batch")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument(
         "--profile",
@@ -625,48 +640,61 @@ def main() -> int:
         parser.error(f"--ttfs-repeats {args.ttfs_repeats!r}: one number >= 1, or one per stage of {stages}")
     if args.steps < 0 or args.warmup < 0 or args.rounds < 1 or args.ci <= 0:
         parser.error("need --steps >= 0, --warmup >= 0, --rounds >= 1, --ci > 0")
-    start = time.perf_counter()
-    deadline = start + args.budget
-    model = {
+    own = {
         "layers": args.layers,
         "hidden": args.hidden,
         "vocab": args.vocab,
         "seq": args.seq,
         "micro_batch": args.micro_batch,
     }
-    ttfs = run_ttfs(stages, repeats=repeats, model=model) if stages else None
+    if any(v is not None for v in own.values()):
+        models = [{k: SIZES["small"][k] if v is None else v for k, v in own.items()}]
+    else:
+        names = [n.strip() for n in args.sizes.split(",") if n.strip()]
+        if not names or [n for n in names if n not in SIZES]:
+            parser.error(f"--sizes {args.sizes!r}: allowed: {', '.join(SIZES)}")
+        models = [SIZES[n] for n in names]
+    start = time.perf_counter()
+    ttfs = run_ttfs(stages, repeats=repeats, model=models[0]) if stages else None
     ttfs_s = time.perf_counter() - start
     print(f"[bench] time to first step: {ttfs_s:.0f} s", file=sys.stderr, flush=True)
-    steps = run_steps(args, settings, model, deadline)
-    info, rows = steps["info"], steps["summaries"]
-    print(format_table(info, rows, ci_target=args.ci))
-    above = [r["setting"] for r in rows if r["verdict"] == "above"]
-    unsure = [r["setting"] for r in rows if r["verdict"] == "unsure"]
-    wide = [r["setting"] for r in rows if r["narrow"] != "yes"]
-    print(
-        f"\ntarget: ratio <= {TARGET}; above it: {', '.join(above) or 'none'}; "
-        f"unsure: {', '.join(unsure) or 'none'}; "
-        f"intervals {WIDE:.0%} wide or wider (or n/a): {', '.join(wide) or 'none'}"
-    )
+    every_step = []
+    for i, model in enumerate(models):  # the time left shared evenly among the sizes still to run
+        deadline = time.perf_counter() + (start + args.budget - time.perf_counter()) / (len(models) - i)
+        steps = run_steps(args, settings, model, deadline)
+        info, rows = steps["info"], steps["summaries"]
+        every_step.append(steps)
+        print(("\n" if i else "") + format_table(info, rows, ci_target=args.ci))
+        above = [r["setting"] for r in rows if r["verdict"] == "above"]
+        unsure = [r["setting"] for r in rows if r["verdict"] == "unsure"]
+        wide = [r["setting"] for r in rows if r["narrow"] != "yes"]
+        print(
+            f"\ntarget: ratio <= {TARGET}; above it: {', '.join(above) or 'none'}; "
+            f"unsure: {', '.join(unsure) or 'none'}; "
+            f"intervals {WIDE:.0%} wide or wider (or n/a): {', '.join(wide) or 'none'}"
+        )
+        if args.profile:
+            print("\n" + format_profile(rows))
     ttfs_rows = summarize_ttfs(ttfs) if ttfs else []
     if ttfs_rows:
-        print("\n" + format_ttfs(ttfs_rows, info))
+        print("\n" + format_ttfs(ttfs_rows, every_step[0]["info"]))
         print("\n" + format_ttfs_profile(ttfs_rows))
-    if args.profile:
-        print("\n" + format_profile(rows))
     total_s = time.perf_counter() - start
+    rounds_run = " + ".join(str(steps["info"]["rounds"]) for steps in every_step)
     print(
         f"\n({total_s:.0f} s: time to first step {ttfs_s:.0f} s, per-step overhead "
-        f"{total_s - ttfs_s:.0f} s in {info['rounds']} rounds; 1-minute load average "
+        f"{total_s - ttfs_s:.0f} s in {rounds_run} rounds; 1-minute load average "
         f"{min(LOADS):.1f}-{max(LOADS):.1f} before and after each launch, on {os.cpu_count()} cores, "
         "this run's 2 ranks included)"
     )
     if args.json:
+        first = every_step[0]  # the first size keeps the top-level keys; every size under "sizes"
         payload = {
-            "info": info,
-            "steps": rows,
-            "rounds": steps["rounds"],
-            "round_log": steps["log"],
+            "info": first["info"],
+            "steps": first["summaries"],
+            "rounds": first["rounds"],
+            "round_log": first["log"],
+            "sizes": [{"info": x["info"], "steps": x["summaries"]} for x in every_step],
             "loads": LOADS,
             "ttfs": ttfs,
             "ttfs_rows": ttfs_rows,
