@@ -259,7 +259,7 @@ def settle(backend: Any, model: Any = None, optimizer: Any = None, dataloader: A
             _refuse_unread_fields(config)
         return config
     rank0 = _env_int("RANK", 0) == 0
-    if backend.name != "deepspeed":  # an "auto" stage is ZeRO-0, an "auto" offload none; the rest stays
+    if not backend.plans_auto_stage:  # an "auto" stage is ZeRO-0, an "auto" offload none; the rest stays
         stage = 0 if config.zero_stage == AUTO else int(config.zero_stage)
         devices = ["none" if d == AUTO else d for d in (config.offload_optimizer, config.offload_params)]
         _decide(backend, config, stage, devices[0], devices[1])

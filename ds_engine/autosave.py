@@ -287,11 +287,8 @@ class AutoSaver:
             return False
         if index + 1 >= loader.known_len():
             return False  # an epoch's last batch: the code after the inner loop runs first
-        # every loader in progress is at a batch a micro-step trained on (not inside an evaluation
-        # loop over another prepared loader): their positions are then exactly "batches consumed"
-        return all(
-            engine._trained_batch.get(id(other)) == other.batch_index for other in engine._loaders_in_progress
-        )
+        # not inside an evaluation loop over another prepared loader: positions are "batches consumed"
+        return engine.at_trained_batches
 
     def after_batch(self, loader: PreparedDataLoader, index: int) -> None:
         """Called by a prepared loader after the loop body of batch `index` returned (every rank)."""
@@ -409,11 +406,25 @@ class AutoSaver:
 def start_autosave(
     engine: Engine,
     directory: str | os.PathLike[str],
+    *,
+    caller: str,
+    current: AutoSaver | None,
     **options: Any,
-) -> dict[str, Any] | None:
-    """`Engine.autosave`'s implementation: check, catch the signals, resume, arm the hook."""
-    caller = engine._caller
-    if engine._model is None or engine._optimizer is None:
+) -> tuple[AutoSaver, dict[str, Any] | None]:
+    """`Engine.autosave`'s implementation: check, catch the signals, resume, arm the hook.
+
+    Args:
+        engine: The Engine to save and resume.
+        directory: The checkpoint folder.
+        caller: What the script calls the Engine ("engine" or "accelerator"), for errors.
+        current: The Engine's AutoSaver of an earlier call, if any (a second one is refused).
+        options: `Engine.autosave`'s other arguments.
+
+    Returns:
+        The armed AutoSaver (the Engine calls its `after_batch`) and the resumed `client_state`
+        (None when the run starts fresh).
+    """
+    if engine.model is None or engine.optimizer is None:
         raise RuntimeError(
             f"`{caller}.autosave` before the model and its optimizer were prepared: there is nothing to "
             f"resume into or save. HINT: call `{caller}.autosave(directory, ...)` right after "
@@ -425,7 +436,6 @@ def start_autosave(
             "resuming now would replace what this run trained. HINT: call it once, right after "
             "`prepare` and before the training loop."
         )
-    current = getattr(engine, "_autosaver", None)
     if current is not None and not current.closed:
         raise RuntimeError(
             f"`{caller}.autosave` was already called for {str(current.directory)!r}; one autosave per "
@@ -438,5 +448,4 @@ def start_autosave(
     except BaseException:
         saver.close()
         raise
-    engine._autosaver = saver
-    return client
+    return saver, client

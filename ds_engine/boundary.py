@@ -66,6 +66,12 @@ class BoundaryPolicy:
         """The innermost prepared loader being iterated, or None."""
         return self.loaders_in_progress[-1] if self.loaders_in_progress else None
 
+    def at_trained_batches(self) -> bool:
+        """True when every loader in progress is at a batch a micro-step trained on (not inside an
+        evaluation loop over another prepared loader): each position is then "batches consumed"."""
+        trained = self.trained_batch
+        return all(trained.get(id(loader)) == loader.batch_index for loader in self.loaders_in_progress)
+
     def reset(self) -> None:
         """Forget every loader and the current window (nothing prepared any more)."""
         self.loaders_in_progress = []

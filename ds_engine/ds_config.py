@@ -613,25 +613,6 @@ def _fill_optimizer_autos(out: dict[str, Any], optimizer: Any) -> None:
             params["warmup_min_lr"] = 0.0  # the conventional start of a warm-up (as in HF Trainer)
 
 
-# --------------------------------------------------------------------------- Engine arguments
-def check_engine_arguments(
-    config: EngineConfig | JsonSource | None,
-    choices: Mapping[str, Any],
-    *,
-    world_size: int,
-) -> tuple[EngineConfig, dict[str, Any] | None]:
-    """Check what `Engine(config, **choices)` was given: `config.resolve_config`, as a pair.
-
-    Returns:
-        The user's choices and the base JSON dict (None when `config` is no JSON).
-
-    Raises:
-        ConfigError: Every problem found (see `config.resolve_config`).
-    """
-    resolved = resolve_config(config, choices, world_size=world_size)
-    return resolved.user, resolved.base
-
-
 # --------------------------------------------------------------------------- preset files
 def render_presets() -> dict[str, str]:
     """Preset name -> the exact file text `ds_engine/configs/<name>.json` must hold."""
@@ -676,7 +657,6 @@ __all__ = [
     "ZERO_KEYS",
     "block_problems",
     "build_ds_config",
-    "check_engine_arguments",
     "deepspeed_bucket_fallbacks",
     "for_trainer",
     "hidden_size_from_model",

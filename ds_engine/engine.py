@@ -29,7 +29,7 @@ from ds_engine._console import quiet_console
 from ds_engine._values import env_int
 from ds_engine.auto_stage import settle as settle_auto
 from ds_engine.auto_values import filled_auto_blocks
-from ds_engine.backends import select_backend
+from ds_engine.backends import Backend, select_backend
 from ds_engine.boundary import BoundaryPolicy
 from ds_engine.config import EngineConfig
 
@@ -123,7 +123,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self._autosaver: Any = None  # ds_engine.autosave.AutoSaver once `autosave` was called
         self.step = StepState()
         """Counters, the current window and the last boundary's outcome (`state_dict()`-able)."""
-        self._in_backward = False  # inside engine.backward (direct loss.backward() is refused)
+        self.in_backward = False
+        """True while `backward` runs (a gradient reaching a prepared model's output is its own)."""
         self._in_accumulate = False
         self._in_main_process_first = False
         # when a micro-step ends a window, what a misuse of it is, when a step counts as skipped
@@ -216,18 +217,14 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         return self._boundary.current_loader
 
     @property
-    def _loaders_in_progress(self) -> list[PreparedDataLoader]:
-        """Prepared loaders being iterated, innermost last (the boundary policy's)."""
-        return self._boundary.loaders_in_progress
-
-    @_loaders_in_progress.setter
-    def _loaders_in_progress(self, loaders: list[PreparedDataLoader]) -> None:
-        self._boundary.loaders_in_progress = loaders
+    def at_trained_batches(self) -> bool:
+        """Every prepared loader being iterated is at a batch a micro-step trained on (see `boundary`)."""
+        return self._boundary.at_trained_batches()
 
     @property
-    def _trained_batch(self) -> dict[int, int]:
-        """Loader id -> last batch of its pass a micro-step ran on (the boundary policy's)."""
-        return self._boundary.trained_batch
+    def backend_capabilities(self) -> Backend:
+        """The backend, to read the capabilities `Backend` declares; only the Engine drives it."""
+        return self._backend
 
     @property
     def optimizer(self) -> PreparedOptimizer | None:
@@ -382,7 +379,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         config only while the context lasts, so a later plain `from_pretrained` stays plain.
         """
         self._refuse_if_ended("init_context()")
-        if self._in_main_process_first and self.config.zero_stage == 3 and self.backend_name == "deepspeed":
+        if self._in_main_process_first and self._backend.partitions_at_creation:
             refuse_creation_in_main_process_first(self._caller)
         process_group.use(self)  # ZeRO-3 forms the process group here
         return self._backend.init_context()
@@ -621,7 +618,9 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             or loss.numel() != 1
             or not loss.requires_grad
         ):
-            refuse_backward(self, loss, kwargs)  # raises, naming what is wrong
+            refuse_backward(  # raises, naming what is wrong
+                loss, kwargs, self._caller, self._model, self._optimizer, self._refuse_training_while_gathered
+            )
         self._refuse_training_while_gathered("engine.backward(loss)")
         context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if not self._in_accumulate:
@@ -633,13 +632,13 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         else:
             self._boundary.check_second_backward()
         self.step.micro_backwards += 1
-        self._in_backward = True
+        self.in_backward = True
         try:
             with context, self._watch("backward"):
                 scale = window_scale(num_items, self.step.window_len, self.num_processes, self._caller)
                 self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
         finally:
-            self._in_backward = False
+            self.in_backward = False
         self.step.grads_pending = True
 
     def _begin_micro_step(self) -> None:

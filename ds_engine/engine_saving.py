@@ -7,6 +7,7 @@ saving. `claim_checkpoint_folder` keeps one checkpoint folder per Engine of a pr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import weakref
@@ -36,7 +37,7 @@ def claim_checkpoint_folder(engine: Any, directory: str | os.PathLike[str]) -> N
     Tags (``step_<N>``) and `latest` live in the folder, so two Engines saving into one would
     overwrite each other's. Checked on every rank alike, before any collective.
     """
-    if engine._model is not None and engine._optimizer is None:
+    if engine.model is not None and engine.optimizer is None:
         raise RuntimeError(
             "`save_checkpoint` on an Engine whose model was prepared without an optimizer "
             "(inference only): it has no training state to resume. HINT: save its weights with "
@@ -66,10 +67,17 @@ class EngineSaving:
         _optimizer: PreparedOptimizer | None
         _scheduler: OverflowAwareScheduler | None
         _dataloaders: list[PreparedDataLoader]
+        _run_log: Any  # ds_engine.tracking.RunLog
+        _autosaver: Any  # ds_engine.autosave.AutoSaver
         step: StepState
 
         @property
         def is_main_process(self) -> bool: ...
+
+        @property
+        def _caller(self) -> str: ...
+
+        def _watch(self, call: str) -> contextlib.AbstractContextManager[None]: ...
 
         def _refuse_if_ended(self, call: str) -> None: ...
 
@@ -258,13 +266,12 @@ class EngineSaving:
         background checkpoint save in flight (collective in effect) and raise its error."""
         from ds_engine.checkpoint import wait_for_checkpoint
 
-        engine = cast("Engine", self)
-        if engine._run_log is not None:
-            engine._run_log.close()
-            engine._run_log = None
-        if engine._autosaver is not None:
-            engine._autosaver.close()  # the previous signal handlers come back
-        with engine._watch("end_training"):
+        if self._run_log is not None:
+            self._run_log.close()
+            self._run_log = None
+        if self._autosaver is not None:
+            self._autosaver.close()  # the previous signal handlers come back
+        with self._watch("end_training"):
             wait_for_checkpoint()
 
     def load_checkpoint(self, directory: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
@@ -355,9 +362,11 @@ class EngineSaving:
         from ds_engine.autosave import start_autosave
 
         self._refuse_if_ended("autosave(directory)")
-        return start_autosave(
+        self._autosaver, client = start_autosave(
             cast("Engine", self),
             directory,
+            caller=self._caller,
+            current=self._autosaver,
             every_steps=every_steps,
             every_minutes=every_minutes,
             keep_last=keep_last,
@@ -366,3 +375,4 @@ class EngineSaving:
             client_state=client_state,
             agree_every=agree_every,
         )
+        return client

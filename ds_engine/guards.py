@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,8 +45,8 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
     run before the wrapper's own and nothing is reduced or scaled before the error.
 
     Args:
-        engine: The Engine that prepared `module` (held weakly); its `_in_backward` and
-            `_optimizer` say whether a gradient reaching the output is its own.
+        engine: The Engine that prepared `module` (held weakly); its `in_backward` and
+            `optimizer` say whether a gradient reaching the output is its own.
         module: The user's module inside the prepared wrapper.
     """
 
@@ -56,15 +57,15 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
 
     def check(grad: torch.Tensor) -> None:
         self = engine_ref()
-        if self is None or self._in_backward:
+        if self is None or self.in_backward:
             return
-        other = any(user._in_backward for user in process_group.users() if user is not self)
+        other = any(user.in_backward for user in process_group.users() if user is not self)
         trainable = any(p.requires_grad for p in module.parameters())
         if other and not trainable:
             # another Engine's backward passes through this frozen model to the one it trains
             # (a GAN's generator loss through its discriminator): no gradient lands here
             return
-        if self._optimizer is None and trainable:
+        if self.optimizer is None and trainable:
             raise RuntimeError(
                 "a backward pass reached the output of a model prepared without an optimizer "
                 "(inference only, e.g. a frozen teacher) whose parameters require gradients; it "
@@ -80,7 +81,7 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
                 "before that forward, `requires_grad_(True)` after, the GAN idiom) or `.detach()` "
                 "its output."
             )
-        if not self._in_backward:
+        if not self.in_backward:
             raise RuntimeError(
                 "`loss.backward()` was called on the output of a model prepared by ds_engine; it "
                 "would bypass gradient accumulation (window scaling, the boundary, the reduction "
@@ -192,17 +193,25 @@ def sort_prepare_arguments(
     return models, optimizers, loaders, schedulers
 
 
-def refuse_backward(engine: Any, loss: Any, kwargs: dict[str, Any]) -> None:
+def refuse_backward(
+    loss: Any,
+    kwargs: dict[str, Any],
+    caller: str,
+    model: Any,
+    optimizer: Any,
+    refuse_while_gathered: Callable[[str], None],
+) -> None:
     """Raise the error for an `engine.backward(loss, **kwargs)` call that cannot run, in the order
     the checks apply (called only when one of them fails, off the per-micro-step path).
 
     Args:
-        engine: The Engine (its `_caller`, `_model`, `_optimizer`, `_refuse_training_while_gathered`).
         loss: What `backward` got.
         kwargs: The extra keyword arguments it got.
+        caller: What the script calls the Engine ("engine" or "accelerator").
+        model: The Engine's prepared model (None before `prepare`).
+        optimizer: Its prepared optimizer (None: none prepared, or inference only).
+        refuse_while_gathered: Raises while a gathered ZeRO-3 model is in use (the call named).
     """
-    caller, model, optimizer = engine._caller, engine._model, engine._optimizer
-    refuse_while_gathered = engine._refuse_training_while_gathered
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"`{caller}.backward(loss)` got a {type(loss).__name__} ({loss!r:.60}); it needs the "

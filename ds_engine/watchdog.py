@@ -143,7 +143,6 @@ class Watchdog:
         self.ended = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.fired = False
 
     # ------------------------------------------------------------------ marking calls
     def watch(self, call: str, step: int | None = None) -> _Mark:
@@ -234,7 +233,6 @@ class Watchdog:
                 return
 
     def _fire(self, call: str | None, peer: int | None) -> None:
-        self.fired = True
         status = self._status()
         if self.store is not None:
             with contextlib.suppress(Exception):
@@ -313,7 +311,7 @@ def stop_process_watchdog() -> None:
 
 
 def watched(call: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method` of an Engine, marked as `call` for the watchdog while it runs (`engine._watch`)."""
+    """`method` of an Engine, marked as `call` for the watchdog while it runs (the Engine's `_watch`)."""
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:

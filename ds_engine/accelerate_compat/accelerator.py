@@ -167,7 +167,7 @@ class Accelerator(Engine):
     def _backend_capabilities(self) -> Any:
         """The backend, read for the capabilities `Backend` declares (`distributed_type`,
         `is_fsdp2`, `supports_clip_grad_value`, `unscale_gradients`) and nothing else."""
-        return self._backend  # the Engine offers no public accessor of its backend
+        return self.backend_capabilities
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -42,7 +42,7 @@ from ds_engine.backends.base import (
     StepOutcome,
     destroy_process_group_at_exit,
 )
-from ds_engine.config import EngineConfig, ResolvedConfig
+from ds_engine.config import ResolvedConfig
 
 #: The process group's distributed type before any FSDP plugin upgraded it (process-wide, as
 #: accelerate's own state is).
@@ -60,8 +60,8 @@ class AccelerateBackend(Backend):
 
     name = "accelerate"
 
-    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
-        super().__init__(config, base)
+    def __init__(self, config: ResolvedConfig) -> None:
+        super().__init__(config)
         self.accelerator: Any = None
         self.model: torch.nn.Module | None = None
         self.optimizer: Any = None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ds_engine import adapters, weights
-from ds_engine.config import EngineConfig, ResolvedConfig, resolve_config
+from ds_engine.config import ResolvedConfig
 
 _TEARDOWN_REGISTERED = False
 
@@ -147,18 +147,12 @@ class Backend(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         """Take the run's resolved configuration (the Engine resolves once); never resolve again.
 
         Args:
-            config: The `ResolvedConfig` of `config.resolve_config`. An `EngineConfig` (with its
-                `base` JSON) is resolved here, once, for a backend built on its own.
-            base: Only with an `EngineConfig`: the DeepSpeed JSON to merge into it.
+            config: The `ResolvedConfig` of `config.resolve_config` (its base JSON inside).
         """
-        if not isinstance(config, ResolvedConfig):
-            config = resolve_config(config, base=base, world_size=None)
-        elif base is not None:
-            raise TypeError("a ResolvedConfig holds its base JSON already; pass no `base` with it")
         self.resolved = config
         self.config = config.user  # the user's choices (explicit fields tracked)
         self.base = config.base  # the user's DeepSpeed JSON, if any
@@ -194,6 +188,18 @@ class Backend(abc.ABC):
     @property
     def is_fsdp2(self) -> bool:
         """True when the model is sharded with FSDP2."""
+        return False
+
+    @property
+    def partitions_at_creation(self) -> bool:
+        """True when `init_context` partitions parameters as models are created (collective:
+        every rank must create the model there). Default: creation is local."""
+        return False
+
+    @property
+    def plans_auto_stage(self) -> bool:
+        """True when an "auto" ZeRO stage / offload is the memory planner's choice; False: an
+        "auto" stage is ZeRO-0 and an "auto" offload none (`ds_engine.auto_stage.settle`)."""
         return False
 
     @property

@@ -29,7 +29,7 @@ from ds_engine.backends.base import (
     StepOutcome,
     destroy_process_group_at_exit,
 )
-from ds_engine.config import ConfigError, EngineConfig, ResolvedConfig
+from ds_engine.config import ConfigError, ResolvedConfig
 from ds_engine.ds_config import deepspeed_bucket_fallbacks, hidden_size_from_model, render_ds_config
 from ds_engine.weights import WeightGather
 
@@ -56,9 +56,9 @@ class DeepSpeedBackend(Backend):
 
     name = "deepspeed"
 
-    def __init__(self, config: ResolvedConfig | EngineConfig, base: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         require_deepspeed()
-        super().__init__(config, base)
+        super().__init__(config)
         # DeepSpeed calls torch.distributed APIs torch has deprecated, once per collective; the
         # warning is not the user's to act on and would flood every training log. Only warnings
         # attributed to DeepSpeed's own modules (torch warns at its caller) are silenced: the
@@ -129,6 +129,16 @@ class DeepSpeedBackend(Backend):
     def supports_clip_grad_value(self) -> bool:
         """False: DeepSpeed clips by the global norm inside its step only."""
         return False
+
+    @property
+    def partitions_at_creation(self) -> bool:
+        """ZeRO-3: `zero.Init` partitions parameters as the model is created."""
+        return self.effective.zero_stage == 3
+
+    @property
+    def plans_auto_stage(self) -> bool:
+        """True: the memory planner chooses an "auto" stage and offload."""
+        return True
 
     @staticmethod
     def holds_shards(module: torch.nn.Module) -> bool:

@@ -6,8 +6,6 @@
 * `save_deepspeed_states` / `load_deepspeed_checkpoint` -- DeepSpeed's own model + optimizer
   files inside a ds_engine tag folder; a tag of another world size is re-partitioned through a
   DeepSpeed universal checkpoint (`convert_to_universal`, cached as ``<tag>.universal``).
-* `consolidated_state_dict` / `save_pretrained` with ``ds_engine=`` -- the `weights` functions
-  for a raw `DeepSpeedEngine` (scripts and tests that drive DeepSpeed without an Engine).
 
 A separate module from `deepspeed.py` (the training half) so that each stays one concern;
 DeepSpeed is imported lazily, inside functions, so this module imports without it.
@@ -26,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ds_engine import weights
 from ds_engine._io import (
@@ -52,12 +49,10 @@ __all__ = [
     "UNIVERSAL_SUFFIX",
     "DeepSpeedGather",
     "checkpoint_problem",
-    "consolidated_state_dict",
     "convert_to_universal",
     "load_deepspeed_checkpoint",
     "load_deepspeed_states",
     "save_deepspeed_states",
-    "save_pretrained",
 ]
 
 #: A tag's universal checkpoint sits beside it as ``<tag>.universal`` (a cache, removed with it).
@@ -178,32 +173,6 @@ class DeepSpeedGather(weights.WeightGather):
         finally:
             if optimizer is not None and hasattr(optimizer, "checkpoint_event_epilogue"):
                 optimizer.checkpoint_event_epilogue()
-
-
-def consolidated_state_dict(
-    module: nn.Module,
-    *,
-    dtype: torch.dtype | None = None,
-    exclude_frozen: bool = False,
-    ds_engine: Any = None,
-) -> dict[str, torch.Tensor] | None:
-    """`weights.consolidated_state_dict` for `module` = `ds_engine.module` (collective).
-
-    `ds_engine` (the DeepSpeedEngine training `module`) is needed for fp32 master weights only.
-    """
-    return weights.consolidated_state_dict(
-        module, dtype=dtype, exclude_frozen=exclude_frozen, gather=DeepSpeedGather(ds_engine)
-    )
-
-
-def save_pretrained(
-    module: nn.Module, save_directory: str | os.PathLike[str], *, ds_engine: Any = None, **options: Any
-) -> None:
-    """`weights.save_pretrained` for `module` = `ds_engine.module` (collective); same options.
-
-    `ds_engine` (the DeepSpeedEngine training `module`) is needed for fp32 master weights only.
-    """
-    weights.save_pretrained(module, save_directory, gather=DeepSpeedGather(ds_engine), **options)
 
 
 # =========================================================================== state files

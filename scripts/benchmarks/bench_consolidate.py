@@ -16,7 +16,7 @@ misses its target is marked `MISS`):
   `engine._zero3_consolidated_16bit_state_dict`; target ratio <= 1.0;
 * get-state-dict peak: rank-0 peak RSS rise of each of those two calls, as a multiple of one
   16-bit copy of the weights; target (ds_engine) <= 1.1x;
-* save_pretrained peak: rank-0 peak RSS rise of `save_pretrained(module, dir, ds_engine=engine,
+* save_pretrained peak: rank-0 peak RSS rise of `save_pretrained(module, dir, gather=DeepSpeedGather(engine),
   max_shard_size=one 16-bit copy / 8)` against the bound "largest shard + largest layer" (the
   largest shard file written, plus the largest submodule's own 16-bit parameters); target
   rise <= bound;
@@ -319,7 +319,8 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ds_engine.backends.deepspeed_states import consolidated_state_dict, save_pretrained
+    from ds_engine.backends.deepspeed_states import DeepSpeedGather
+    from ds_engine.weights import consolidated_state_dict, save_pretrained
 
     rank = torch.distributed.get_rank()
     cfg = {
@@ -353,17 +354,23 @@ def bench_size(layers: int, args: argparse.Namespace, out: Path) -> SizeResult |
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
 
-    ours = lambda: consolidated_state_dict(module)  # noqa: E731
+    ours = lambda: consolidated_state_dict(module, gather=DeepSpeedGather(None))  # noqa: E731
     theirs = lambda: engine._zero3_consolidated_16bit_state_dict()  # noqa: E731
 
     def save(name: str) -> Callable[[], None]:
-        return lambda: save_pretrained(module, folder / name, ds_engine=engine, max_shard_size=shard_limit)
+        return lambda: save_pretrained(
+            module, folder / name, gather=DeepSpeedGather(engine), max_shard_size=shard_limit
+        )
 
     def write_given(name: str, state: dict[str, torch.Tensor] | None) -> Callable[[], None]:
         # rank 0 writes the dict it holds; the other ranks only take part in the preflight
         given = state if rank == 0 else {}
         return lambda: save_pretrained(
-            module, folder / name, ds_engine=engine, max_shard_size=shard_limit, state_dict=given
+            module,
+            folder / name,
+            gather=DeepSpeedGather(engine),
+            max_shard_size=shard_limit,
+            state_dict=given,
         )
 
     def cleanup(name: str) -> None:

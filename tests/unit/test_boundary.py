@@ -84,6 +84,23 @@ def test_a_break_keeps_the_position_after_the_last_trained_batch(ga):
     assert policy.current_loader is None
 
 
+def test_loaders_are_at_trained_batches_only_where_a_micro_step_trained():
+    policy = _policy()
+    train, evaluation = FakeLoader(4), FakeLoader(2)
+    assert policy.at_trained_batches()  # no loader in progress
+    train.batch_index = 0
+    policy.on_batch(train, 0)
+    assert not policy.at_trained_batches()  # batch 0 drawn, not trained yet
+    _micro_step(policy, 2)
+    assert policy.at_trained_batches()
+    evaluation.batch_index = 0
+    policy.on_batch(evaluation, 0)  # an evaluation loop inside the training loop
+    assert not policy.at_trained_batches()
+    evaluation.batch_index = 2
+    policy.on_loader_end(evaluation)
+    assert policy.at_trained_batches()
+
+
 def test_micro_steps_outside_a_loader_count_on_their_own():
     policy = _policy()
     applied = [_micro_step(policy, 3) for _ in range(7)]

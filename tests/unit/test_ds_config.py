@@ -16,6 +16,7 @@ from ds_engine.ds_config import (
     hidden_size_from_model,
     validate_ds_config,
 )
+from tests.helpers import backend_alone
 
 COMMON = {
     "zero_allow_untested_optimizer": True,
@@ -304,7 +305,7 @@ def test_deepspeed_backend_applies_the_same_bucket_rule() -> None:
     from ds_engine.backends.deepspeed import DeepSpeedBackend
 
     base = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 7}}
-    backend = DeepSpeedBackend(EngineConfig(precision="bf16"), base)
+    backend = backend_alone(DeepSpeedBackend, EngineConfig(precision="bf16"), base)
     plain = torch.nn.Linear(2, 2)
     facts = {"world_size": 2, "micro_batch_size": 2}
     via_backend = build_ds_config(backend._config_for(plain), model=plain, **facts)  # its base inside

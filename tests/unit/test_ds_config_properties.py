@@ -27,13 +27,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ds_engine.config import ConfigError, EngineConfig
-from ds_engine.ds_config import (
-    DEEPSPEED_SCHEDULERS,
-    build_ds_config,
-    check_engine_arguments,
-    validate_ds_config,
-)
+from ds_engine.config import ConfigError, EngineConfig, resolve_config
+from ds_engine.ds_config import DEEPSPEED_SCHEDULERS, build_ds_config, validate_ds_config
 
 AUTO = st.just("auto")
 POS = st.integers(1, 8)
@@ -462,11 +457,11 @@ def test_engine_arguments_report_choice_and_json_problems_together(
     choices: dict[str, Any], base: dict[str, Any], world_size: int
 ) -> None:
     try:
-        config, merged_base = check_engine_arguments(base, choices, world_size=world_size)
+        resolved = resolve_config(base, choices, world_size=world_size)  # what `Engine(base, **choices)` does
     except ConfigError as exc:
         _check_error(exc, choices, base, {"world_size": world_size})
         return
-    assert merged_base == base and config.explicit_fields == set(choices)
+    assert resolved.base == base and resolved.user.explicit_fields == set(choices)
     assert not (MISSPELT & (_keys(choices) | _keys(base))), "a misspelt key was accepted"
 
 

@@ -7,31 +7,21 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ds_engine import ConfigError, Engine
 from ds_engine._imports import is_deepspeed_available
+from tests.helpers import backend_alone, regression_loader, train
 
 
 def _loader(n: int = 10, batch: int = 2) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
-    )
+    return regression_loader(n, batch)
 
 
 def _train(engine: Engine, n: int = 10) -> list[bool]:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = engine.prepare(model, optimizer, _loader(n))
-    boundaries = []
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        boundaries.append(engine.sync_gradients)
-    return boundaries
+    return train(engine, *engine.prepare(model, optimizer, _loader(n)))
 
 
 def test_unknown_backend_is_a_config_error():
@@ -107,10 +97,11 @@ def test_fallback_fsdp_plugin_mirrors_the_zero_stage(stage, reshard):
     from ds_engine.backends.accelerate import AccelerateBackend
     from ds_engine.config import EngineConfig
 
-    plugin = AccelerateBackend(EngineConfig.from_kwargs(zero_stage=stage), None)._fsdp_plugin()
+    plugin = backend_alone(AccelerateBackend, EngineConfig.from_kwargs(zero_stage=stage))._fsdp_plugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard
     assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    offloading = AccelerateBackend(EngineConfig.from_kwargs(zero_stage=stage, offload_optimizer="cpu"), None)
+    to_cpu = EngineConfig.from_kwargs(zero_stage=stage, offload_optimizer="cpu")
+    offloading = backend_alone(AccelerateBackend, to_cpu)
     assert isinstance(offloading._fsdp_plugin().cpu_offload, CPUOffloadPolicy)
 
 

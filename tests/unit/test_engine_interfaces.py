@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import Engine
 from ds_engine.backends.base import Backend
 from ds_engine.scheduler import OverflowAwareScheduler, is_scheduler
-
-
-def _loader(n: int = 8, batch: int = 2) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
-    )
+from tests.helpers import regression_loader
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -58,11 +51,13 @@ def test_prepare_scheduler_alone_after_model_and_optimizer_steps_like_one_call(b
             model, optimizer = _model_and_optimizer()
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
             if separate:
-                model, optimizer, loader = engine.prepare(model, optimizer, _loader())
+                model, optimizer, loader = engine.prepare(model, optimizer, regression_loader())
                 assert engine.lr_scheduler is None
                 prepared = engine.prepare(scheduler)
             else:
-                model, optimizer, loader, prepared = engine.prepare(model, optimizer, _loader(), scheduler)
+                model, optimizer, loader, prepared = engine.prepare(
+                    model, optimizer, regression_loader(), scheduler
+                )
             assert isinstance(prepared, OverflowAwareScheduler) and engine.lr_scheduler is prepared
             runs.append(_steps(engine, model, optimizer, prepared, loader))
         finally:
@@ -99,7 +94,7 @@ def test_release_drops_every_prepared_object_and_a_new_prepare_starts_afresh(bac
     try:
         assert engine.model is None and engine.current_loader is None
         model, optimizer = _model_and_optimizer()
-        wrapped, prepared_opt, loader = engine.prepare(model, optimizer, _loader())
+        wrapped, prepared_opt, loader = engine.prepare(model, optimizer, regression_loader())
         assert engine.model is wrapped and engine.optimizer is prepared_opt
         seen = []
         for x, y in loader:
@@ -120,7 +115,7 @@ def test_release_drops_every_prepared_object_and_a_new_prepare_starts_afresh(bac
 
         # a second model can be prepared now (an Engine holds one model at a time)
         model2, optimizer2 = _model_and_optimizer()
-        wrapped2, opt2, loader2 = engine.prepare(model2, optimizer2, _loader())
+        wrapped2, opt2, loader2 = engine.prepare(model2, optimizer2, regression_loader())
         assert engine.model is wrapped2
         for x, y in loader2:
             engine.backward(torch.nn.functional.mse_loss(wrapped2(x), y))
@@ -135,7 +130,7 @@ def test_release_inside_a_loop_forgets_the_loader_in_progress():
     engine = Engine(backend="accelerate")
     try:
         model, optimizer = _model_and_optimizer()
-        _, _, loader = engine.prepare(model, optimizer, _loader())
+        _, _, loader = engine.prepare(model, optimizer, regression_loader())
         for _ in loader:
             assert engine.current_loader is loader
             engine.release()
@@ -154,7 +149,13 @@ def test_ensure_process_group_answers_and_is_refused_after_end_training():
 
 
 def test_backend_capabilities_are_declared_on_the_base_class():
-    for name in ("distributed_type", "is_fsdp2", "supports_clip_grad_value"):
+    for name in (
+        "distributed_type",
+        "is_fsdp2",
+        "supports_clip_grad_value",
+        "partitions_at_creation",
+        "plans_auto_stage",
+    ):
         assert isinstance(getattr(Backend, name), property), name
     for name in ("unscale_gradients", "release"):
         assert callable(getattr(Backend, name)), name
@@ -163,11 +164,12 @@ def test_backend_capabilities_are_declared_on_the_base_class():
 def test_fallback_capabilities():
     engine = Engine(backend="accelerate", precision="fp32")
     try:
-        backend = engine._backend
+        backend = engine.backend_capabilities
         model, optimizer = _model_and_optimizer()
         engine.prepare(model, optimizer)
         assert backend.distributed_type == "NO"  # one process, no launcher
         assert backend.is_fsdp2 is False and backend.supports_clip_grad_value is True
+        assert backend.partitions_at_creation is False and backend.plans_auto_stage is False
         backend.unscale_gradients()  # no GradScaler: nothing to unscale, and no error
         backend.unscale_gradients()
     finally:
@@ -178,9 +180,12 @@ def test_fallback_capabilities():
 def test_deepspeed_capabilities():
     engine = Engine(backend="deepspeed")
     try:
-        backend = engine._backend
+        backend = engine.backend_capabilities
         assert backend.distributed_type == "DEEPSPEED"
         assert backend.is_fsdp2 is False and backend.supports_clip_grad_value is False
+        assert backend.plans_auto_stage is True and backend.partitions_at_creation is False
+        backend.update_effective(zero_stage=3)  # ZeRO-3's zero.Init partitions at creation
+        assert backend.partitions_at_creation is True
         backend.unscale_gradients()  # DeepSpeed unscales inside its step: a no-op
     finally:
         engine.end_training()
@@ -196,7 +201,7 @@ def test_a_group_the_host_formed_is_borrowed_and_outlives_end_training(monkeypat
     try:
         engine = Engine(backend="accelerate")
         model, optimizer = _model_and_optimizer()
-        model, optimizer, loader = engine.prepare(model, optimizer, _loader())
+        model, optimizer, loader = engine.prepare(model, optimizer, regression_loader())
         for x, y in loader:
             engine.backward(torch.nn.functional.mse_loss(model(x), y))
             optimizer.step()

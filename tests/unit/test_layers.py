@@ -109,7 +109,6 @@ def test_the_public_names_stay_where_they_were():
         "validate_ds_config",
         "hidden_size_from_model",
         "deepspeed_bucket_fallbacks",
-        "check_engine_arguments",
         "DEEPSPEED_SCHEDULERS",
         "PRESETS",
         "PRESETS_DIR",

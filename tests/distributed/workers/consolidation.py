@@ -21,6 +21,27 @@ from _common import parse_args, rank, write_result
 SCENARIOS = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("bf16", "fp32")]
 
 
+def consolidated_state_dict(
+    module: torch.nn.Module, *, ds_engine: object = None, **options: object
+) -> dict | None:
+    """`ds_engine.weights.consolidated_state_dict` of a raw DeepSpeedEngine's `module` (collective);
+    `ds_engine` (the DeepSpeedEngine) is needed for fp32 master weights only."""
+    from ds_engine import weights
+    from ds_engine.backends.deepspeed_states import DeepSpeedGather
+
+    return weights.consolidated_state_dict(module, gather=DeepSpeedGather(ds_engine), **options)  # type: ignore[arg-type]
+
+
+def save_pretrained(
+    module: torch.nn.Module, folder: Path, *, ds_engine: object = None, **options: object
+) -> None:
+    """`ds_engine.weights.save_pretrained` of a raw DeepSpeedEngine's `module` (collective)."""
+    from ds_engine import weights
+    from ds_engine.backends.deepspeed_states import DeepSpeedGather
+
+    weights.save_pretrained(module, folder, gather=DeepSpeedGather(ds_engine), **options)  # type: ignore[arg-type]
+
+
 def ds_config(stage: int, precision: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
@@ -63,8 +84,6 @@ def mismatches(got: dict | None, want: dict) -> list[str]:
 def run(stage: int, precision: str, out: Path) -> dict:
     import deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from ds_engine.backends.deepspeed_states import consolidated_state_dict, save_pretrained
 
     cfg = ds_config(stage, precision)
     model = build_model(cfg)

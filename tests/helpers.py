@@ -1,0 +1,76 @@
+"""What many unit tests build alike: a backend on its own, a tiny GPT-2, a small regression
+loader, and the standard training-loop body.
+
+Test helpers, not the package's API: `ds_engine` builds its backends only from the Engine's one
+resolution, so a test that wants a backend alone resolves here, as the Engine would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ds_engine.backends.base import Backend
+from ds_engine.config import EngineConfig, resolve_config
+
+B = TypeVar("B", bound=Backend)
+
+
+def backend_alone(cls: type[B], config: EngineConfig, base: dict[str, Any] | None = None) -> B:
+    """A backend of class `cls` for `config` (and its DeepSpeed JSON `base`), resolved once as the
+    Engine resolves (no world size yet), without an Engine."""
+    return cls(resolve_config(config, base=base, world_size=None))
+
+
+def tiny_gpt2(seed: int = 0, *, train: bool = False, **config: Any) -> Any:
+    """A 2-layer GPT-2 (hidden 32, vocabulary 128, 32 positions) built with torch seed `seed`;
+    `config` overrides `GPT2Config` fields. In eval mode unless `train`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    options = {
+        "n_layer": 2,
+        "n_embd": 32,
+        "n_head": 2,
+        "vocab_size": 128,
+        "n_positions": 32,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        **config,
+    }
+    model = GPT2LMHeadModel(GPT2Config(**options))
+    return model if train else model.eval()
+
+
+def regression_loader(n: int = 8, batch: int = 2, *, seed: int = 0) -> DataLoader:
+    """`n` samples (x: 4 features, y: 1 target) from a generator seeded `seed`, `batch` at a time."""
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
+    )
+
+
+def micro_step(engine: Any, model: Any, optimizer: Any, batch: Any, scheduler: Any = None) -> None:
+    """The standard loop body on one `(x, y)` batch: mean-squared error, `engine.backward`, then
+    the optimizer's (and `scheduler`'s) step and `zero_grad` inside `engine.accumulate(model)`."""
+    x, y = batch
+    with engine.accumulate(model):
+        engine.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+
+
+def train(
+    engine: Any, model: Any, optimizer: Any, loader: Iterable[Any], scheduler: Any = None
+) -> list[bool]:
+    """`micro_step` on every batch of `loader`; returns `engine.sync_gradients` after each."""
+    boundaries = []
+    for batch in loader:
+        micro_step(engine, model, optimizer, batch, scheduler)
+        boundaries.append(engine.sync_gradients)
+    return boundaries
