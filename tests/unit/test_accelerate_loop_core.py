@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import Engine
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, schedule_length
 from ds_engine.step_state import StepState
-
-
-def _loader(n: int = 8) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=2
-    )
+from tests.helpers import regression_loader
 
 
 def _optimizer() -> torch.optim.Optimizer:
@@ -75,8 +68,10 @@ def test_hand_written_accumulation_at_ga1_applies_the_sum_until_step():
     reference = torch.nn.Linear(4, 1)
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    model, optimizer, loader = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(8))
-    data = list(_loader(8))
+    model, optimizer, loader = engine.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), regression_loader(8)
+    )
+    data = list(regression_loader(8))
     for step, (x, y) in enumerate(loader):
         engine.backward(torch.nn.functional.mse_loss(model(x), y) / 2)
         (torch.nn.functional.mse_loss(reference(data[step][0]), data[step][1]) / 2).backward()
@@ -94,7 +89,9 @@ def test_hand_written_accumulation_at_ga1_applies_the_sum_until_step():
 def test_an_epoch_of_backward_without_any_step_is_refused_at_its_end():
     engine = Engine(backend="accelerate")
     model = torch.nn.Linear(4, 1)
-    model, _opt, loader = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(8))
+    model, _opt, loader = engine.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), regression_loader(8)
+    )
     with pytest.raises(RuntimeError, match=r"called `engine\.backward` but never `optimizer\.step\(\)`"):
         for x, y in loader:
             engine.backward(torch.nn.functional.mse_loss(model(x), y))

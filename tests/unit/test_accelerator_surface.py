@@ -11,11 +11,11 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import ds_engine
 import ds_engine.accelerator as accelerator_module
 from ds_engine.accelerator import COMPAT, DIFFERS, NOT_APPLICABLE, SUPPORTED
+from tests.helpers import regression_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,19 +46,12 @@ def _acc(**kwargs):
     return ds_engine.Accelerator(backend="accelerate", **kwargs)
 
 
-def _loader(n: int = 8, batch: int = 2) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
-    )
-
-
 def _train(acc, steps_dir: Path | None = None):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=4)
-    return acc.prepare(model, opt, _loader(), sched)
+    return acc.prepare(model, opt, regression_loader(), sched)
 
 
 # ---------------------------------------------------------------- the compatibility table
@@ -326,7 +319,10 @@ def test_deepspeed_facts_plugin_view_and_dummies():
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
         model, opt, loader, sched = acc.prepare(
-            model, ds_engine.DummyOptim(model.parameters()), _loader(), ds_engine.DummyScheduler(None)
+            model,
+            ds_engine.DummyOptim(model.parameters()),
+            regression_loader(),
+            ds_engine.DummyScheduler(None),
         )
         assert opt is acc.optimizer and sched is acc.lr_scheduler and sched is not None
         assert acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
@@ -373,7 +369,7 @@ def test_dummies_fill_the_config_autos_as_accelerate_does():
         model, opt, loader, sched = acc.prepare(
             model,
             ds_engine.DummyOptim(groups, lr=0.05, weight_decay=0.01),
-            _loader(),
+            regression_loader(),
             ds_engine.DummyScheduler(None, total_num_steps=8, warmup_num_steps=2),
         )
         cfg = acc.state.deepspeed_plugin.deepspeed_config

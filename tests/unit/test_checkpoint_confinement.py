@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.checkpoint import CHECKPOINT_META_NAME, _tags, resolve_checkpoint
 from ds_engine.cli import main
+from tests.helpers import micro_step
 from tests.hostile_corpus import FOLDER_CASES, SECRET_LINE, HostileFolder
 
 TAG = "t1"
@@ -47,11 +48,7 @@ def _prepared(seed: int = 0) -> tuple[Any, ...]:
 def _fallback_checkpoint(folder: Path, seed: int) -> torch.Tensor:
     """A fallback checkpoint with tag `TAG` in `folder`; returns its saved weight."""
     engine, model, optimizer, loader = _prepared(seed)
-    x, y = next(iter(loader))
-    with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    micro_step(engine, model, optimizer, next(iter(loader)))
     engine.save_checkpoint(folder, tag=TAG)
     return engine.unwrap_model(model).weight.detach().clone()
 
@@ -147,11 +144,7 @@ def test_junk_siblings_never_fail_the_listing_nor_count_as_newest(tmp_path: Path
     _junk(root)
     assert _tags(root) == [TAG]
     engine, model, optimizer, loader = _prepared()
-    x, y = next(iter(loader))
-    with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    micro_step(engine, model, optimizer, next(iter(loader)))
     engine.save_checkpoint(root, tag="t2", keep_last=1)  # rotation removes the old tag, no junk
     assert _tags(root) == ["t2"]
     assert {p.name for p in root.iterdir()} >= {"meta_is_a_list", "no_engine_state", "linked", "notes.txt"}

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import Engine
+from tests.helpers import train
 
 
 def _trained(seed: int) -> Engine:
@@ -21,12 +22,7 @@ def _trained(seed: int) -> Engine:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 1)
     loader = DataLoader(TensorDataset(torch.randn(4, 4), torch.randn(4, 1)), batch_size=2)
-    model, optimizer, loader = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
+    train(engine, *engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader))
     engine.cycle = engine  # type: ignore[attr-defined]  # a reference cycle, as real scripts make
     return engine
 

@@ -17,6 +17,7 @@ from ds_engine.cli import main as cli_main
 from ds_engine.consolidate import consolidate_checkpoint
 from ds_engine.weights import consolidated_state_dict, save_pretrained
 from tests.converted_models import assert_same_weight_files, tiny_mixtral_config, write_legacy_bert
+from tests.helpers import tiny_gpt2
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -31,16 +32,6 @@ class TiedNet(nn.Module):
         self.head.weight = self.embed.weight
         self.register_buffer("steps", torch.tensor([3, 4], dtype=torch.int64))
         self.register_buffer("scratch", torch.ones(2), persistent=False)
-
-
-def tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
-    return GPT2LMHeadModel(cfg).eval()
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:

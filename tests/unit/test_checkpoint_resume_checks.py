@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.checkpoint import CHECKPOINT_META_NAME, ENGINE_STATE_NAME
+from tests.helpers import micro_step
 
 
 def _prepared(make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> tuple[Any, ...]:
@@ -43,18 +44,10 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
 
 
-def _step(engine: Any, model: Any, optimizer: Any, loader: Any) -> None:
-    x, y = next(iter(loader))
-    with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     engine, model, optimizer, loader = _prepared(_adamw)
-    _step(engine, model, optimizer, loader)
+    micro_step(engine, model, optimizer, next(iter(loader)))
     engine.save_checkpoint(tmp_path / "ckpt", tag="t1")
     return tmp_path / "ckpt"
 
@@ -74,13 +67,13 @@ def test_a_resume_with_another_optimizer_class_is_refused_naming_both(saved: Pat
         r"into weights with `ds-engine consolidate .* OUT --tag t1`",
     ):
         engine.load_checkpoint(saved)
-    _step(engine, model, optimizer, loader)  # nothing was loaded: SGD trains on as it was
+    micro_step(engine, model, optimizer, next(iter(loader)))  # nothing was loaded: SGD trains on as it was
 
 
 def test_the_same_class_resumes_and_an_unrecorded_class_is_not_compared(saved: Path) -> None:
     engine, model, optimizer, loader = _prepared(_adamw)
     engine.load_checkpoint(saved)
-    _step(engine, model, optimizer, loader)
+    micro_step(engine, model, optimizer, next(iter(loader)))
     path = saved / "t1" / CHECKPOINT_META_NAME
     meta = json.loads(path.read_text())
     del meta["optimizer"]  # a tag written before the class was recorded

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import Engine
+from tests.helpers import train
 
 BACKENDS = ["accelerate", pytest.param("deepspeed", marks=pytest.mark.deepspeed)]
 
@@ -121,12 +122,7 @@ def _after_end_calls(engine, model, optimizer, loader, scheduler, tmp_path: Path
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_call_after_end_training_raises_the_same_error(backend, tmp_path):
     engine, model, optimizer, loader, scheduler = _prepared(backend)
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    train(engine, model, optimizer, loader, scheduler)
     steps, lr = engine.num_optimizer_steps, scheduler.get_last_lr()
     engine.end_training()
     engine.end_training()  # a second call does nothing

@@ -18,28 +18,14 @@ from peft.utils import get_peft_model_state_dict
 from ds_engine import Engine
 from ds_engine.adapters import adapter_entries, is_peft_model
 from ds_engine.weights import WeightGather
+from tests.helpers import tiny_gpt2
 
 ADAPTER_FILES = ["README.md", "adapter_config.json", "adapter_model.safetensors"]
 
 
 # --------------------------------------------------------------------------- models and data
 def gpt2_base():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=128,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(train=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def gpt2_lora(base=None, **options):

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import ds_engine.config as config_module
 from ds_engine import Engine
 from ds_engine.config import EngineConfig, ResolvedConfig
 from ds_engine.ds_config import build_ds_config, render_ds_config
+from tests.helpers import regression_loader, train
 
 
 @pytest.fixture
@@ -40,23 +40,11 @@ def resolutions(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     yield counts
 
 
-def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)), batch_size=2
-    )
-
-
 def _train(engine: Engine) -> None:
     with engine.init_context():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer, loader = engine.prepare(model, optimizer, _loader())
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
+    train(engine, *engine.prepare(model, optimizer, regression_loader()))
 
 
 def test_accelerate_engine_and_prepare_resolve_once(resolutions: dict[str, int]) -> None:

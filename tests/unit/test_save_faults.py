@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import ds_engine
 from ds_engine._io import save_safe, write_failure
 from ds_engine.checkpoint import CHECKPOINT_META_NAME, ENGINE_STATE_NAME, resolve_checkpoint
+from tests.helpers import micro_step, regression_loader
 
 
 # --------------------------------------------------------------------------- small filesystems
@@ -88,28 +88,13 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    return DataLoader(
-        TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=2
-    )
-
-
 def _engine() -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback reports unhonoured choices
         engine = ds_engine.Engine(backend="accelerate")
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return (engine, *engine.prepare(model, optimizer, _loader()))
-
-
-def _step(engine, model, optimizer, batch) -> None:
-    x, y = batch
-    with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    return (engine, *engine.prepare(model, optimizer, regression_loader(16, seed=1)))
 
 
 def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -159,10 +144,10 @@ def test_engine_save_checkpoint_on_a_faulty_disk(mounts: Mounts, fault: Fault) -
     ckpt = disk / "ckpt"
     engine, model, optimizer, loader = _engine()
     batches = iter(loader)
-    _step(engine, model, optimizer, next(batches))
+    micro_step(engine, model, optimizer, next(batches))
     engine.save_checkpoint(ckpt, keep_last=1)  # step_1
     saved = _weights(model)
-    _step(engine, model, optimizer, next(batches))
+    micro_step(engine, model, optimizer, next(batches))
     undo = fault.make(mounts, disk)
     with pytest.raises(OSError, match=fault.match) as caught:
         engine.save_checkpoint(ckpt, keep_last=1)  # step_2
@@ -184,7 +169,7 @@ def test_a_failed_first_save_leaves_no_folder_behind(mounts: Mounts) -> None:
     disk = mounts.tmpfs("disk")
     (disk / "other").mkdir()
     engine, model, optimizer, loader = _engine()
-    _step(engine, model, optimizer, next(iter(loader)))
+    micro_step(engine, model, optimizer, next(iter(loader)))
     filler = fill(disk)
     with pytest.raises(
         OSError, match=r"there is no complete one\): rank 0 failed: .*No space left on device"
@@ -216,7 +201,7 @@ def _accelerator(project: Path) -> tuple:
     acc = ds_engine.Accelerator(backend="accelerate", project_config=pc)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer, loader = acc.prepare(model, optimizer, _loader())
+    model, optimizer, loader = acc.prepare(model, optimizer, regression_loader(16, seed=1))
     counter = Counter()
     acc.register_for_checkpointing(counter)
     return acc, model, optimizer, loader, counter
@@ -314,12 +299,12 @@ def test_keep_last_removes_only_our_older_tags_after_publishing(tmp_path: Path) 
     ckpt = tmp_path / "ckpt"
     engine, model, optimizer, loader = _engine()
     batches = iter(loader)
-    _step(engine, model, optimizer, next(batches))
+    micro_step(engine, model, optimizer, next(batches))
     engine.save_checkpoint(ckpt)  # step_1
     (tmp_path / "outside").mkdir()
     junk = _junk_beside_the_tags(ckpt, tmp_path / "outside")
     for _ in range(2):
-        _step(engine, model, optimizer, next(batches))
+        micro_step(engine, model, optimizer, next(batches))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # junk is no problem worth a warning
             engine.save_checkpoint(ckpt, keep_last=1)
@@ -334,12 +319,12 @@ def test_a_tag_rotation_cannot_remove_is_a_warning_not_a_failed_save(mounts: Mou
     ckpt = tmp_path / "ckpt"
     engine, model, optimizer, loader = _engine()
     batches = iter(loader)
-    _step(engine, model, optimizer, next(batches))
+    micro_step(engine, model, optimizer, next(batches))
     engine.save_checkpoint(ckpt)  # step_1
     stuck = mounts.tmpfs("stuck", size="1m", at=ckpt / "step_1" / "stuck")  # rmdir of a mount point fails
     (stuck / "x").write_text("x")
     mounts.read_only(stuck)
-    _step(engine, model, optimizer, next(batches))
+    micro_step(engine, model, optimizer, next(batches))
     with pytest.warns(
         UserWarning,
         match=r"saved '.*step_2', but could not fully remove the older checkpoint '.*step_1' "

@@ -43,6 +43,7 @@ import torch
 
 from ds_engine.cli import main as cli_main
 from ds_engine.weights import save_pretrained
+from tests.helpers import tiny_gpt2
 from tests.unit.test_save_faults import Mounts, fill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,16 +51,6 @@ SECRET = "s3cr3t-private-key-material"
 
 
 # --------------------------------------------------------------------------- helpers
-def tiny_gpt2(seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
 def plant_foreign(folder: Path) -> dict[str, bytes]:
     """What a run folder holds beside its final model; returns {relative path: bytes}."""
     (folder / "checkpoint-1").mkdir(parents=True, exist_ok=True)

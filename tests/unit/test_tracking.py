@@ -12,17 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine import Engine
 from ds_engine.plot import read_metrics
-
-
-def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)), batch_size=2
-    )
+from tests.helpers import regression_loader
 
 
 def _engine(**choices) -> Engine:
@@ -36,7 +29,7 @@ def test_log_writes_one_line_per_call_with_the_engines_facts(tmp_path: Path) -> 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, _loader(), scheduler)
+    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, regression_loader(), scheduler)
     engine.log_to(tmp_path / "run", config={"lr": 0.1, "model": "linear"})
     for x, y in loader:
         with engine.accumulate(model):

@@ -35,6 +35,7 @@ from ds_engine.safety import (
     restricted_load,
     restricted_torch_load,
 )
+from tests.helpers import micro_step
 from tests.hostile_corpus import CASES, SENTINEL_MODULES, extensions_registered, traces, write
 
 # torch warns when the weights-only unpickler meets a protocol other than 2 (then refuses it)
@@ -112,11 +113,7 @@ def _prepared() -> tuple[Any, ...]:
 
 def _saved(tmp_path: Path) -> Path:
     engine, model, optimizer, loader = _prepared()
-    x, y = next(iter(loader))
-    with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    micro_step(engine, model, optimizer, next(iter(loader)))
     engine.save_checkpoint(tmp_path / "ckpt", tag="t1")
     return tmp_path / "ckpt"
 
