@@ -20,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,10 +36,18 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # also withou
 
 from ds_engine.accelerate_compat import state_folders
 from ds_engine.accelerate_compat.compat import SEMANTICS_NOTE
-from ds_engine.accelerate_compat.constructor import NOT_SET, map_arguments
+from ds_engine.accelerate_compat.constructor import NOT_SET, check_dummies, dummy_values, map_arguments
 from ds_engine.accelerate_compat.trackers import find_tracker, select_trackers, start_trackers
-from ds_engine.accelerate_compat.views import AcceleratorStateView, DeepSpeedPluginView
-from ds_engine.autosave import newest_complete_folder
+from ds_engine.accelerate_compat.views import (
+    AcceleratorStateView,
+    DeepSpeedPluginView,
+    check_windows,
+    holds,
+    label,
+    plan_models,
+    reached_engines,
+    two_trained_models,
+)
 from ds_engine.collectives import map_tensors
 from ds_engine.config import EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
@@ -152,6 +158,7 @@ class Accelerator(Engine):
         self._logs_to_folder = False  # `log_to` was called: `log` writes there too
 
         super().__init__(setup.config, backend=backend, **setup.choices)
+        self._init_several_models(setup.config, backend, setup.choices)
         if not self.step_scheduler_with_optimizer:
             # accelerate then steps a prepared scheduler once per call, never num_processes times
             self.schedule_sized_from = "prepared"
@@ -308,15 +315,28 @@ class Accelerator(Engine):
         dummy_sched = [o for o in objects if isinstance(o, DummyScheduler)]
         rest = [o for o in objects if not isinstance(o, (DummyOptim, DummyScheduler))]
         if dummy_optim or dummy_sched:
-            self._check_dummies(dummy_optim, dummy_sched)
-            self._fill_from_dummies(dummy_optim, dummy_sched)
+            deepspeed = self.distributed_type == DistributedType.DEEPSPEED
+            check_dummies(dummy_optim, dummy_sched, self.config, self.backend_name, deepspeed=deepspeed)
+            values, params = dummy_values(
+                dummy_optim, dummy_sched, self.dataloader_config.split_batches, self.num_processes
+            )
+            if params is not None:
+                self.config_optimizer_parameters = params
+            self.fill_auto(values)
         late = [o for o in rest if self._is_late_scheduler(o)]
         engine_objects = [o for o in rest if not any(o is s for s in late)]
+        mine, extras = plan_models(engine_objects, objects, is_scheduler, has_model=self.model is not None)
         prepared: dict[int, Any] = {}
-        if engine_objects:
-            result = super().prepare(*engine_objects)
-            result = result if len(engine_objects) > 1 else (result,)
-            prepared.update({id(o): r for o, r in zip(engine_objects, result)})
+        if mine:
+            result = super().prepare(*mine)
+            result = result if len(mine) > 1 else (result,)
+            prepared.update({id(o): r for o, r in zip(mine, result)})
+            self._own(self, mine, result, objects)
+            self._loaders_seen += [r for r in result if isinstance(r, PreparedDataLoader)]
+            self._check_windows()
+        for model, optimizer, scheduler in extras:
+            prepared.update(self._prepare_extra(objects, model, optimizer, scheduler))
+        self._models_seen += sum(isinstance(o, torch.nn.Module) for o in objects)
         for scheduler in late:
             prepared[id(scheduler)] = self.prepare_scheduler(scheduler)
         for dummy in dummy_optim:
@@ -330,66 +350,12 @@ class Accelerator(Engine):
         return out[0] if len(out) == 1 else out
 
     def _is_late_scheduler(self, obj: Any) -> bool:
-        """A scheduler handed to `prepare` on its own, after the model and optimizer were prepared."""
-        return is_scheduler(obj) and not isinstance(obj, torch.optim.Optimizer) and self.model is not None
-
-    def _check_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
-        eff = self.config
-        hint = (
-            "put an `optimizer` / `scheduler` block in the DeepSpeed config (DS_ENGINE_CONFIG or "
-            "deepspeed_plugin), or pass a torch optimizer / scheduler"
-        )
-        if self.distributed_type != DistributedType.DEEPSPEED:
-            raise ValueError(
-                "ds_engine.Accelerator.prepare: DummyOptim / DummyScheduler stand for DeepSpeed's configured "
-                f"optimizer and scheduler, and this run uses the {self.backend_name!r} backend. HINT: pass a "
-                "torch optimizer and scheduler (or install DeepSpeed)."
-            )
-        if optims and eff.optimizer is None:
-            raise ValueError(
-                "ds_engine.Accelerator.prepare: DummyOptim but the config has no `optimizer` block. "
-                f"HINT: {hint}."
-            )
-        for sched in scheds:
-            if eff.scheduler is None and sched.lr_scheduler_callable is None:
-                raise ValueError(
-                    "ds_engine.Accelerator.prepare: DummyScheduler without `lr_scheduler_callable` but the "
-                    f"config has no `scheduler` block. HINT: {hint}."
-                )
-
-    def _fill_from_dummies(self, optims: list[Any], scheds: list[Any]) -> None:
-        """What accelerate writes into the config's "auto" values from DummyOptim / DummyScheduler.
-
-        DummyOptim: `optimizer.params.lr` / `weight_decay`, and its `params` (groups) are what the
-        config's optimizer trains. DummyScheduler (without a callable): `warmup_min_lr` 0,
-        `warmup_max_lr` the optimizer's lr, `warmup_num_steps` (at least 1), and
-        `total_num_steps` divided by the number of processes (accelerate's reading: the scripts
-        size it from the un-prepared dataloader). Only "auto" values change.
-        """
-        values: dict[str, Any] = {}
-        for optim in optims:
-            values |= {"optimizer.params.lr": optim.lr, "optimizer.params.weight_decay": optim.weight_decay}
-            self.config_optimizer_parameters = optim.params
-        for sched in scheds:
-            if sched.lr_scheduler_callable is not None:
-                continue
-            opt = sched.optimizer
-            defaults = getattr(opt, "defaults", None)
-            max_lr = getattr(opt, "lr", None) if defaults is None else defaults["lr"]
-            if max_lr is None and optims:  # DummyScheduler(None, ...): the DummyOptim's lr
-                max_lr = optims[0].lr
-            values |= {
-                "scheduler.params.warmup_min_lr": 0,
-                "scheduler.params.warmup_num_steps": max(1, int(sched.warmup_num_steps)),
-            }
-            if max_lr is not None:
-                values["scheduler.params.warmup_max_lr"] = max_lr
-            if sched.total_num_steps is not None:
-                total = int(sched.total_num_steps)
-                values["scheduler.params.total_num_steps"] = (
-                    total if self.dataloader_config.split_batches else math.ceil(total / self.num_processes)
-                )
-        self.fill_auto(values)
+        """A scheduler handed to `prepare` after the model and optimizer it drives were prepared."""
+        if not is_scheduler(obj) or isinstance(obj, torch.optim.Optimizer):
+            return False
+        if self._extra_engines:
+            return id(getattr(obj, "optimizer", None)) in self._owner
+        return self.model is not None
 
     def prepare_data_loader(
         self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
@@ -400,6 +366,9 @@ class Accelerator(Engine):
         """Prepare an LR scheduler after its model and optimizer were prepared (a call of its own)."""
         if isinstance(scheduler, OverflowAwareScheduler):
             return scheduler
+        engine = self._owner.get(id(getattr(scheduler, "optimizer", None)), self)
+        if engine is not self:
+            return engine.prepare(scheduler)
         if self.model is None or self.optimizer is None:
             raise ValueError(
                 "ds_engine.Accelerator.prepare_scheduler: prepare the model and optimizer first. HINT: "
@@ -409,11 +378,118 @@ class Accelerator(Engine):
             raise ValueError("ds_engine trains one scheduler per Accelerator; one is prepared already.")
         return super().prepare(scheduler)
 
+    # ================================================================= several models
+    def _init_several_models(self, config: Any, backend: str, choices: dict[str, Any]) -> None:
+        """One Engine per trained model: this Accelerator's (the first), and one more for each model
+        prepared beside it (trained, or inference only), sharing the process group and micro-stepping
+        with the first (`accumulate`), so every model sees the same accumulation windows."""
+        self._engine_setup = (config, backend, dict(choices))
+        self._extra_engines: list[Engine] = []
+        self._owner: dict[int, Engine] = {}  # id(model / wrapper / optimizer / scheduler) -> Engine
+        self._labels: dict[int, str] = {}  # id(Engine) -> its model as the user passed it
+        self._model_index: dict[int, int] = {}  # id(Engine) -> accelerate's index of its model
+        self._models_seen = 0
+        self._loaders_seen: list[PreparedDataLoader] = []
+        self._last_engine: Engine = self  # the Engine of the last micro-step (`sync_gradients`)
+
+    def _own(self, engine: Engine, objects: Sequence[Any], prepared: Sequence[Any], call: Any) -> None:
+        """Record which Engine prepared each model / optimizer / scheduler (and its prepared forms)."""
+        for obj, result in zip(objects, prepared):
+            if isinstance(obj, torch.utils.data.DataLoader):
+                continue
+            self._owner[id(obj)] = self._owner[id(result)] = engine
+            if isinstance(obj, torch.nn.Module):
+                self._owner[id(engine.unwrap_model(result))] = engine
+                self._labels[id(engine)] = label(obj, call)
+                self._model_index[id(engine)] = self._models_seen + [
+                    o for o in call if isinstance(o, torch.nn.Module)
+                ].index(obj)
+
+    def _prepare_extra(self, call: Any, model: Any, optimizer: Any, scheduler: Any) -> dict[int, Any]:
+        """Prepare a model beside the first on an Engine of its own (same choices, same group)."""
+        config, backend, choices = self._engine_setup
+        loader = self._loaders_seen[0] if self._loaders_seen else None
+        if self.config.micro_batch_size == "auto":  # DeepSpeed's triangle: the training loader's
+            size = getattr(loader.for_sizing(self.config), "batch_size", None) if loader else None
+            size = 1 if size is None and optimizer is None else size  # inference: a placeholder
+            choices = {**choices, "micro_batch_size": size} if isinstance(size, int) else choices
+        engine = Engine(config, backend=backend, **choices)
+        engine.default_schedule_reading = self.default_schedule_reading
+        engine.schedule_sized_from = self.schedule_sized_from
+        self._extra_engines.append(engine)
+        objects = [o for o in (model, optimizer, scheduler) if o is not None]
+        result = engine.prepare(*objects)
+        result = result if len(objects) > 1 else (result,)
+        self._own(engine, objects, result, call)
+        self._check_windows()
+        return {id(o): r for o, r in zip(objects, result)}
+
+    def _check_windows(self) -> None:
+        if any(e.optimizer is not None for e in self._extra_engines):
+            check_windows(self._loaders_seen, self.gradient_accumulation_steps)
+
+    def _trained_extras(self) -> list[tuple[int, Engine]]:
+        """(accelerate's model index, Engine) of every model trained beside the first."""
+        return [(self._model_index[id(e)], e) for e in self._extra_engines if e.optimizer is not None]
+
+    def _trained_engines(self) -> list[Engine]:
+        own = [self] if self.optimizer is not None else []
+        return own + [e for e in self._extra_engines if e.optimizer is not None]
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the current micro-step ends an accumulation window (the optimizers step)."""
+        return self._last_engine.step.boundary
+
     # ================================================================= training step
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """A no-op: the Engine alone decides when gradients are reduced."""
         yield
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-step of every trained model (the window is the run's, as in accelerate); the
+        models given are the ones whose gradient reduction waits for the boundary."""
+        trained = [e for e in self._extra_engines if e.optimizer is not None]
+        if not trained:
+            with super().accumulate(*models):
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            for engine in (self, *trained):
+                mine = [m for m in models if self._owner.get(id(m)) is engine]
+                stack.enter_context(super().accumulate(*mine) if engine is self else engine.accumulate(*mine))
+            self._last_engine = self
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward on the Engine(s) of the trained models whose parameters `loss` reaches.
+
+        With several trained models the loss's graph is walked once to its parameters. One
+        backward drives one Engine (under DeepSpeed one DeepSpeed engine): a loss that reaches the
+        trainable parameters of two trained models is refused, naming both (freeze one for it).
+        """
+        trained = self._trained_engines()
+        if not self._extra_engines or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return super().backward(loss, **kwargs)
+        reached = reached_engines(loss, trained) or [self]
+        self._last_engine = reached[0]
+        if len(reached) == 1:
+            engine = reached[0]
+            return super().backward(loss, **kwargs) if engine is self else engine.backward(loss, **kwargs)
+        raise two_trained_models([self._labels.get(id(e), "a model") for e in reached[:2]])
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> float | None:
+        """`Engine.clip_grad_norm_` on the Engine of the model whose parameters are given."""
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        engine = next((self._owner[id(m)] for m in self._owner_modules() if holds(m, given)), self)
+        if engine is self:
+            return super().clip_grad_norm_(given, max_norm, norm_type)
+        return engine.clip_grad_norm_(given, max_norm, norm_type)
+
+    def _owner_modules(self) -> list[torch.nn.Module]:
+        return [e.unwrap_model(e.model) for e in self._extra_engines if e.model is not None]
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager[None]:
         if autocast_handler is not None and not getattr(autocast_handler, "enabled", True):
@@ -435,7 +511,8 @@ class Accelerator(Engine):
     def unwrap_model(
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
     ) -> torch.nn.Module:
-        return super().unwrap_model(model)
+        engine = self._owner.get(id(model), self)
+        return super().unwrap_model(model) if engine is self else engine.unwrap_model(model)
 
     # ================================================================= collectives
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -488,7 +565,8 @@ class Accelerator(Engine):
     def get_state_dict(
         self, model: torch.nn.Module, unwrap: bool = True, **kwargs: Any
     ) -> dict[str, torch.Tensor] | None:
-        return super().get_state_dict(model, **kwargs)
+        engine = self._owner.get(id(model), self)
+        return (super().get_state_dict if engine is self else engine.get_state_dict)(model, **kwargs)
 
     def save_model(
         self,
@@ -498,7 +576,8 @@ class Accelerator(Engine):
         safe_serialization: bool = True,
     ) -> None:
         """Consolidated weights (and the model's config) that `from_pretrained` reloads. Collective."""
-        self.save_pretrained(
+        engine = self._owner.get(id(model), self)
+        (self.save_pretrained if engine is self else engine.save_pretrained)(
             model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization
         )
 
@@ -519,7 +598,8 @@ class Accelerator(Engine):
     def save_state(
         self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str:
-        """Save everything needed to resume into `output_dir` (a ds_engine checkpoint). Collective.
+        """Save everything needed to resume into `output_dir` (a ds_engine checkpoint); every model
+        trained beside the first in ``model_<i>/`` inside it. Collective.
 
         With `ProjectConfiguration(automatic_checkpoint_naming=True)` the folder is
         ``project_dir/checkpoints/checkpoint_<iteration>`` and, once it is complete, the oldest
@@ -528,76 +608,24 @@ class Accelerator(Engine):
         an OSError on every rank naming the rank, the file and the cause) deletes nothing and
         leaves no ``checkpoint_<iteration>`` behind. Returns the folder.
         """
-        self.step.refuse_if_ended("accelerator.save_state(...)")
-        if kwargs:
-            raise TypeError(
-                f"save_state got {sorted(kwargs)}; ds_engine's checkpoints take no extra arguments."
-            )
-        pc = self.project_configuration
-        if pc.automatic_checkpoint_naming:
-            target = state_folders.automatic_folder(pc)
-            self.wait_for_everyone()
-        elif output_dir is None:
-            raise ValueError("save_state() needs an output_dir unless automatic_checkpoint_naming is on.")
-        else:
-            target = Path(output_dir).expanduser()
-        client = {state_folders.CUSTOM_KEY: [obj.state_dict() for obj in self._custom_objects]}
-        existed = target.exists()
-        try:
-            self.save_checkpoint(target, tag=state_folders.STATE_TAG, client_state=client)
-        except BaseException:
-            # every rank raises (the save agrees on failures); the folder this call made goes
-            if pc.automatic_checkpoint_naming and not existed and self.is_main_process:
-                state_folders.remove_unfinished(target)
-            raise
-        if pc.automatic_checkpoint_naming:
-            pc.iteration += 1
-            if self.is_main_process and pc.total_limit is not None:
-                state_folders.rotate_states(target.parent, keep=int(pc.total_limit), newest=target)
-        return str(target)
+        return state_folders.save_state(self, output_dir, kwargs, self._trained_extras())
 
     def load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: Any = None, **kwargs: Any
     ) -> None:
         """Restore a `save_state` folder (under automatic naming the newest `checkpoint_<i>` that holds
-        a complete saved state). Collective."""
-        self.step.refuse_if_ended("accelerator.load_state(...)")
-        if kwargs or load_kwargs:
-            raise TypeError("load_state takes no extra arguments in ds_engine.")
-        pc = self.project_configuration
-        if input_dir is not None:
-            source = Path(input_dir).expanduser()
-            if not source.is_dir():
-                raise ValueError(f"Tried to find {source} but folder does not exist")
-        elif pc.automatic_checkpoint_naming and self.project_dir is not None:
-            base = state_folders.checkpoints_folder(self.project_dir)
-            # the newest whose files match what its save recorded (a damaged one is skipped, warned)
-            newest = newest_complete_folder(state_folders.complete_states(base), state_folders.STATE_TAG)
-            if newest is None:
-                raise state_folders.no_complete_state(base)
-            source = newest
-        else:
-            raise ValueError("load_state() needs an input_dir unless automatic_checkpoint_naming is on.")
-        client = self.load_checkpoint(source, tag=state_folders.STATE_TAG)
-        saved = list(client.get(state_folders.CUSTOM_KEY, []))
-        if len(saved) != len(self._custom_objects):
-            raise ValueError(
-                f"{source} holds {len(saved)} registered objects, {len(self._custom_objects)} are "
-                "registered. "
-                "HINT: register_for_checkpointing the same objects as the run that saved it."
-            )
-        for obj, state in zip(self._custom_objects, saved):
-            obj.load_state_dict(state)
-        if pc.automatic_checkpoint_naming:
-            iteration = state_folders.iteration_after(source)
-            if iteration is not None:
-                pc.iteration = iteration
+        a complete saved state), every trained model's. Collective."""
+        state_folders.load_state(self, input_dir, load_kwargs, kwargs, self._trained_extras())
 
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop every prepared object (and the DeepSpeed engine) so `prepare` can start afresh."""
         from accelerate.utils import release_memory
 
         self.release()
+        for engine in self._extra_engines:
+            engine.release()
+        self._extra_engines, self._last_engine = [], self
+        self._owner.clear()
         released = release_memory(*objects)
         gc.collect()
         return list(released) if isinstance(released, (list, tuple)) else [released]
@@ -654,6 +682,8 @@ class Accelerator(Engine):
         for tracker in self.trackers:
             tracker.finish()
         self._logs_to_folder = False
+        for engine in self._extra_engines:
+            engine.end_training()
         super().end_training()
 
 

@@ -19,20 +19,23 @@ COMPAT: dict[str, tuple[str, str]] = {
     "accumulate": (
         DIFFERS,
         "the Engine decides the boundary (every GA micro-steps and the loader's last batch) and divides "
-        "each loss by its window's real length, also for a short last window",
+        "each loss by its window's real length, also for a short last window; with several trained "
+        "models, one micro-step of each (whichever models are named), so all share the windows",
     ),
     "autocast": (SUPPORTED, "autocast for the configured precision (DeepSpeed casts itself)"),
     "backward": (
         DIFFERS,
         "the loss is divided by the window length, not by GA; `num_items=` for a loss summed over "
-        "tokens (the window's token mean, with `windows(loader)`); no other extra arguments",
+        "tokens (the window's token mean, with `windows(loader)`); no other extra arguments; with "
+        "several trained models it trains the one whose parameters the loss reaches (its graph walked "
+        "once), and a loss reaching two trained models is refused naming both (freeze one for it)",
     ),
     "check_trigger": (SUPPORTED, ""),
     "clear": (SUPPORTED, "alias of `free_memory`"),
     "clip_grad_norm_": (
         DIFFERS,
         "`max_norm` must equal the config's `gradient_clipping` (DeepSpeed clips inside its step); "
-        "only the 2-norm; acts at boundaries",
+        "only the 2-norm; acts at boundaries; on the model whose parameters are given",
     ),
     "clip_grad_value_": (
         SUPPORTED,
@@ -76,7 +79,8 @@ COMPAT: dict[str, tuple[str, str]] = {
     ),
     "get_state_dict": (
         DIFFERS,
-        "collective; the full dict on the main process, None on the others (ZeRO-3 gathered layer by layer)",
+        "collective; the full dict on the main process, None on the others (ZeRO-3 gathered layer by "
+        "layer); any prepared model",
     ),
     "get_tracker": (SUPPORTED, ""),
     "gradient_accumulation_steps": (DIFFERS, "read-only: set it in the constructor"),
@@ -90,7 +94,8 @@ COMPAT: dict[str, tuple[str, str]] = {
     "load_state": (
         DIFFERS,
         "a folder written by `save_state` (ds_engine's checkpoint format, which also restores the "
-        "dataloader position); automatic naming picks the newest complete `checkpoint_<i>`",
+        "dataloader position, and every trained model's state); automatic naming picks the newest "
+        "complete `checkpoint_<i>`",
     ),
     "local_main_process_first": (SUPPORTED, ""),
     "local_process_index": (SUPPORTED, ""),
@@ -122,7 +127,12 @@ COMPAT: dict[str, tuple[str, str]] = {
     "pipeline_parallel_rank": (NOT_APPLICABLE, "no pipeline parallelism"),
     "prepare": (
         DIFFERS,
-        "one model, one optimizer, one scheduler per Accelerator; "
+        "several models, optimizers and schedulers in any order (each optimizer goes with the model "
+        "whose parameters it holds, each scheduler with its optimizer; a model without one is "
+        "prepared for inference), one Engine per model sharing the process group (under DeepSpeed one "
+        "DeepSpeed engine per trained model, same config; an inference model replicated under ZeRO-1/2, "
+        "partitioned under ZeRO-3); with two trained models an epoch's batches must be a multiple of "
+        "GA (docs/several_models.md); "
         "DummyOptim/DummyScheduler need the config's optimizer/scheduler block (DeepSpeed backend) "
         'and fill its "auto" values as accelerate does; '
         "the scheduler advances only for applied optimizer steps (never on skipped ones): "
@@ -149,13 +159,15 @@ COMPAT: dict[str, tuple[str, str]] = {
     "save_iteration": (SUPPORTED, ""),
     "save_model": (
         SUPPORTED,
-        "consolidated weights (safetensors, sharded past `max_shard_size`) plus the model's config.json",
+        "consolidated weights (safetensors, sharded past `max_shard_size`) plus the model's config.json; "
+        "any prepared model",
     ),
     "save_state": (
         DIFFERS,
         "ds_engine's checkpoint format in the folder (`<dir>/state/` and `<dir>/latest`); automatic "
         "naming and `total_limit` rotation as in accelerate, rotating only after the new save is "
-        "complete; call it at a boundary",
+        "complete; each model trained beside the first in `<dir>/model_<i>/` (accelerate's index); "
+        "call it at a boundary",
     ),
     "set_trigger": (SUPPORTED, ""),
     "should_save_model": (SUPPORTED, "True on the local main process"),
@@ -174,7 +186,7 @@ COMPAT: dict[str, tuple[str, str]] = {
         "the Engine already reduces at every boundary; a forced sync is not needed",
     ),
     "unscale_gradients": (NOT_APPLICABLE, "the Engine unscales inside the optimizer step"),
-    "unwrap_model": (SUPPORTED, "`keep_fp32_wrapper` / `keep_torch_compile` accepted"),
+    "unwrap_model": (SUPPORTED, "`keep_fp32_wrapper` / `keep_torch_compile` accepted; any prepared model"),
     "use_distributed": (SUPPORTED, ""),
     "use_seedable_sampler": (
         DIFFERS,

@@ -281,3 +281,68 @@ def _map_handlers(handlers: Sequence[Any]) -> dict[str, Any]:
                 "AutocastKwargs and ProfileKwargs; drop the others",
             )
     return choices
+
+
+def check_dummies(optims: list[Any], scheds: list[Any], config: Any, backend: str, deepspeed: bool) -> None:
+    """Refuse DummyOptim / DummyScheduler that nothing would stand behind (`config`: the Engine's
+    resolved choices; `deepspeed`: the run uses DeepSpeed)."""
+    hint = (
+        "put an `optimizer` / `scheduler` block in the DeepSpeed config (DS_ENGINE_CONFIG or "
+        "deepspeed_plugin), or pass a torch optimizer / scheduler"
+    )
+    if not deepspeed:
+        raise ValueError(
+            "ds_engine.Accelerator.prepare: DummyOptim / DummyScheduler stand for DeepSpeed's configured "
+            f"optimizer and scheduler, and this run uses the {backend!r} backend. HINT: pass a "
+            "torch optimizer and scheduler (or install DeepSpeed)."
+        )
+    if optims and config.optimizer is None:
+        raise ValueError(
+            "ds_engine.Accelerator.prepare: DummyOptim but the config has no `optimizer` block. "
+            f"HINT: {hint}."
+        )
+    for sched in scheds:
+        if config.scheduler is None and sched.lr_scheduler_callable is None:
+            raise ValueError(
+                "ds_engine.Accelerator.prepare: DummyScheduler without `lr_scheduler_callable` but the "
+                f"config has no `scheduler` block. HINT: {hint}."
+            )
+
+
+def dummy_values(
+    optims: list[Any], scheds: list[Any], split_batches: bool, num_processes: int
+) -> tuple[dict[str, Any], Any]:
+    """What accelerate writes into the config's "auto" values from DummyOptim / DummyScheduler, and
+    the parameters (or groups) the config's optimizer trains (None: the model's).
+
+    DummyOptim: `optimizer.params.lr` / `weight_decay`, and its `params` (groups). DummyScheduler
+    (without a callable): `warmup_min_lr` 0, `warmup_max_lr` the optimizer's lr,
+    `warmup_num_steps` (at least 1), and `total_num_steps` divided by the number of processes
+    (accelerate's reading: the scripts size it from the un-prepared dataloader). Only "auto"
+    values change (`Engine.fill_auto`).
+    """
+    values: dict[str, Any] = {}
+    params = None
+    for optim in optims:
+        values |= {"optimizer.params.lr": optim.lr, "optimizer.params.weight_decay": optim.weight_decay}
+        params = optim.params
+    for sched in scheds:
+        if sched.lr_scheduler_callable is not None:
+            continue
+        opt = sched.optimizer
+        defaults = getattr(opt, "defaults", None)
+        max_lr = getattr(opt, "lr", None) if defaults is None else defaults["lr"]
+        if max_lr is None and optims:  # DummyScheduler(None, ...): the DummyOptim's lr
+            max_lr = optims[0].lr
+        values |= {
+            "scheduler.params.warmup_min_lr": 0,
+            "scheduler.params.warmup_num_steps": max(1, int(sched.warmup_num_steps)),
+        }
+        if max_lr is not None:
+            values["scheduler.params.warmup_max_lr"] = max_lr
+        if sched.total_num_steps is not None:
+            total = int(sched.total_num_steps)
+            values["scheduler.params.total_num_steps"] = (
+                total if split_batches else math.ceil(total / num_processes)
+            )
+    return values, params

@@ -17,6 +17,7 @@ from typing import Any
 
 from accelerate.utils import ProjectConfiguration
 
+from ds_engine.autosave import newest_complete_folder
 from ds_engine.checkpoint import has_complete_tag
 
 STATE_TAG = "state"
@@ -123,3 +124,87 @@ def rotate_states(base: Path, *, keep: int, newest: Path) -> None:
                 f"(total_limit={keep}): {problems[0]}. HINT: remove it by hand.",
                 stacklevel=3,
             )
+
+
+def extra_folder(target: Path, index: int) -> Path:
+    """Where `save_state` puts the checkpoint of the model trained beside the first one, as
+    accelerate numbers its files: ``model_<index>`` (accelerate's index of that model)."""
+    return target / f"model_{index}"
+
+
+def save_state(acc: Any, output_dir: Any, kwargs: dict[str, Any], extras: list[tuple[int, Any]]) -> str:
+    """`Accelerator.save_state` (see there); `extras`: (model index, Engine) of every model trained
+    beside the Accelerator's own."""
+    acc.step.refuse_if_ended("accelerator.save_state(...)")
+    if kwargs:
+        raise TypeError(f"save_state got {sorted(kwargs)}; ds_engine's checkpoints take no extra arguments.")
+    pc = acc.project_configuration
+    if pc.automatic_checkpoint_naming:
+        target = automatic_folder(pc)
+        acc.wait_for_everyone()
+    elif output_dir is None:
+        raise ValueError("save_state() needs an output_dir unless automatic_checkpoint_naming is on.")
+    else:
+        target = Path(output_dir).expanduser()
+    client = {CUSTOM_KEY: [obj.state_dict() for obj in acc._custom_objects]}
+    existed = target.exists()
+    try:
+        for index, engine in extras:
+            engine.save_checkpoint(extra_folder(target, index), tag=STATE_TAG)
+        acc.save_checkpoint(target, tag=STATE_TAG, client_state=client)  # last: complete means all
+    except BaseException:
+        # every rank raises (the save agrees on failures); the folder this call made goes
+        if pc.automatic_checkpoint_naming and not existed and acc.is_main_process:
+            remove_unfinished(target)
+        raise
+    if pc.automatic_checkpoint_naming:
+        pc.iteration += 1
+        if acc.is_main_process and pc.total_limit is not None:
+            rotate_states(target.parent, keep=int(pc.total_limit), newest=target)
+    return str(target)
+
+
+def load_state(
+    acc: Any, input_dir: Any, load_kwargs: Any, kwargs: dict[str, Any], extras: list[tuple[int, Any]]
+) -> None:
+    """`Accelerator.load_state` (see there); `extras` as for `save_state`."""
+    acc.step.refuse_if_ended("accelerator.load_state(...)")
+    if kwargs or load_kwargs:
+        raise TypeError("load_state takes no extra arguments in ds_engine.")
+    pc = acc.project_configuration
+    if input_dir is not None:
+        source = Path(input_dir).expanduser()
+        if not source.is_dir():
+            raise ValueError(f"Tried to find {source} but folder does not exist")
+    elif pc.automatic_checkpoint_naming and acc.project_dir is not None:
+        base = checkpoints_folder(acc.project_dir)
+        # the newest whose files match what its save recorded (a damaged one is skipped, warned)
+        newest = newest_complete_folder(complete_states(base), STATE_TAG)
+        if newest is None:
+            raise no_complete_state(base)
+        source = newest
+    else:
+        raise ValueError("load_state() needs an input_dir unless automatic_checkpoint_naming is on.")
+    missing = [i for i, _ in extras if not has_complete_tag(extra_folder(source, i), STATE_TAG)]
+    if missing:
+        raise ValueError(
+            f"{source} holds no saved state of the model(s) prepared as model {missing} "
+            f"(no complete {extra_folder(source, missing[0]).name}/): it was saved by a run that "
+            "trained other models. HINT: prepare the same models, in the same order, as the run that "
+            "saved it."
+        )
+    for index, engine in extras:
+        engine.load_checkpoint(extra_folder(source, index), tag=STATE_TAG)
+    client = acc.load_checkpoint(source, tag=STATE_TAG)  # last: its RNG state is the one kept
+    saved = list(client.get(CUSTOM_KEY, []))
+    if len(saved) != len(acc._custom_objects):
+        raise ValueError(
+            f"{source} holds {len(saved)} registered objects, {len(acc._custom_objects)} are "
+            "registered. HINT: register_for_checkpointing the same objects as the run that saved it."
+        )
+    for obj, state in zip(acc._custom_objects, saved):
+        obj.load_state_dict(state)
+    if pc.automatic_checkpoint_naming:
+        iteration = iteration_after(source)
+        if iteration is not None:
+            pc.iteration = iteration
