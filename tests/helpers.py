@@ -7,7 +7,8 @@ resolution, so a test that wants a backend alone resolves here, as the Engine wo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -51,6 +52,33 @@ def regression_loader(n: int = 8, batch: int = 2, *, seed: int = 0) -> DataLoade
     return DataLoader(
         TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
     )
+
+
+def quiet_fallback(**choices: Any) -> Any:
+    """`Engine(backend="accelerate", **choices)`, its warning about choices the fallback cannot
+    honour silenced."""
+    from ds_engine import Engine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Engine(backend="accelerate", **choices)
+
+
+def prepared_linear(
+    engine: Any,
+    *,
+    seed: int = 0,
+    n: int = 8,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> tuple[Any, ...]:
+    """`engine` and what its `prepare` returns for a `Linear(4, 1)` built under torch seed `seed`,
+    its optimizer (`optimizer(parameters)`; SGD with lr 0.1 by default) and `n` samples drawn from
+    the global generator right after, in batches of 2: (engine, model, optimizer, loader)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 1)
+    made = optimizer(model.parameters()) if optimizer else torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=2)
+    return engine, *engine.prepare(model, made, loader)
 
 
 def micro_step(engine: Any, model: Any, optimizer: Any, batch: Any, scheduler: Any = None) -> None:

@@ -15,34 +15,23 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.checkpoint import CHECKPOINT_META_NAME, _tags, resolve_checkpoint
 from ds_engine.cli import main
-from tests.helpers import micro_step
+from tests.helpers import micro_step, prepared_linear, quiet_fallback
 from tests.hostile_corpus import FOLDER_CASES, SECRET_LINE, HostileFolder
 
 TAG = "t1"
 
 
 def _prepared(seed: int = 0) -> tuple[Any, ...]:
-    from ds_engine import Engine
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(backend="accelerate")
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2)
-    return engine, *engine.prepare(model, optimizer, loader)
+    return prepared_linear(quiet_fallback(), seed=seed)
 
 
 def _fallback_checkpoint(folder: Path, seed: int) -> torch.Tensor:

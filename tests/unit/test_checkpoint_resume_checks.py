@@ -11,29 +11,19 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.checkpoint import CHECKPOINT_META_NAME, ENGINE_STATE_NAME
-from tests.helpers import micro_step
+from tests.helpers import micro_step, prepared_linear, quiet_fallback
 
 
 def _prepared(make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> tuple[Any, ...]:
-    from ds_engine import Engine
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(backend="accelerate")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2)
-    return engine, *engine.prepare(model, make_optimizer(model.parameters()), loader)
+    return prepared_linear(quiet_fallback(), optimizer=make_optimizer)
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:

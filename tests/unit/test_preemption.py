@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ds_engine.autosave import newest_complete_tag
 from ds_engine.manifest import MANIFEST_NAME, check_manifest, write_manifest
 from ds_engine.preemption import PREEMPTED_EXIT_CODE, SignalFlag, requeue_slurm_job, resolve_signals
+from tests.helpers import prepared_linear, quiet_fallback
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -221,16 +222,8 @@ Path({str(done)!r}).write_text(f"{{caught}} {{signal.getsignal(signal.SIGUSR1) i
 
 # --------------------------------------------------------------------------- resume by itself
 def _prepared(ga: int = 1) -> tuple[Any, ...]:
-    from ds_engine import Engine
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(backend="accelerate", gradient_accumulation_steps=ga)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=2)
-    return engine, *engine.prepare(model, optimizer, loader)
+    engine = quiet_fallback(gradient_accumulation_steps=ga)
+    return prepared_linear(engine, n=16, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
 
 
 def _train(engine: Any, model: Any, optimizer: Any, loader: Any, stop: int | None = None) -> list[float]:

@@ -17,14 +17,12 @@ import re
 import shutil
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ds_engine.cli import main
 from ds_engine.config import ConfigError
@@ -35,7 +33,7 @@ from ds_engine.safety import (
     restricted_load,
     restricted_torch_load,
 )
-from tests.helpers import micro_step
+from tests.helpers import micro_step, prepared_linear, quiet_fallback
 from tests.hostile_corpus import CASES, SENTINEL_MODULES, extensions_registered, traces, write
 
 # torch warns when the weights-only unpickler meets a protocol other than 2 (then refuses it)
@@ -99,16 +97,7 @@ def test_the_restricted_loader_and_scope_refuse_every_corpus_file(case: Any, mar
 
 # --------------------------------------------------------------------------- fallback checkpoints
 def _prepared() -> tuple[Any, ...]:
-    from ds_engine import Engine
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine(backend="accelerate")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2)
-    return engine, *engine.prepare(model, optimizer, loader)
+    return prepared_linear(quiet_fallback())
 
 
 def _saved(tmp_path: Path) -> Path:
