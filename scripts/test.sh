@@ -5,25 +5,54 @@
 #
 # Sets up .venv (with DeepSpeed) and .venv-nods (without), runs ruff and mypy, then pytest
 # in each environment; exits non-zero if anything failed.
+#
+# In each environment the unit tests run on 2 pytest-xdist workers (CPU-bound, no process
+# group shared between tests) and the distributed tests one at a time (each is a 2-rank
+# launch; running two at once would make their timing checks depend on the load). Launches
+# of the fallback or the launcher alone (marked `dsfree`, see tests/conftest.py) run only
+# where DeepSpeed is absent: nothing in them depends on DeepSpeed being installed. With
+# PYTEST_ARGS, each environment runs one plain pytest with them instead (`dsfree` included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-bash scripts/setup_env.sh .venv || exit 1
+# Both environments install at once (pip is mostly unpacking, one core each).
+logs=$(mktemp -d)
+bash scripts/setup_env.sh .venv > "$logs/venv.log" 2>&1 &
+setup_ds=$!
+bash scripts/setup_env.sh .venv-nods --no-deepspeed > "$logs/venv-nods.log" 2>&1 &
+setup_nods=$!
+wait "$setup_ds"; rc_ds=$?
+cat "$logs/venv.log"
+if [ "$rc_ds" != 0 ]; then wait "$setup_nods"; exit 1; fi
 # DeepSpeed compiles its CPU-Adam op on first use (about a minute); build it into the
-# torch_extensions cache while the second environment installs.
+# torch_extensions cache while the second environment finishes installing.
 .venv/bin/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
   > .cpu_adam_build.log 2>&1 &
 prebuild=$!
-bash scripts/setup_env.sh .venv-nods --no-deepspeed || exit 1
+wait "$setup_nods"; rc_nods=$?
+cat "$logs/venv-nods.log"
+if [ "$rc_nods" != 0 ]; then wait "$prebuild"; exit 1; fi
 wait "$prebuild" || echo "[setup] CPU-Adam prebuild failed (tests will build it): see .cpu_adam_build.log"
 status=0
 echo "== lint: ruff + mypy"
 .venv/bin/ruff check ds_engine tests scripts || status=1
 .venv/bin/ruff format --check ds_engine tests scripts || status=1
 .venv/bin/mypy || status=1
-echo "== suite 1/2: DeepSpeed installed (every test not marked 'nodeepspeed')"
-.venv/bin/python -m pytest -m "not nodeepspeed" --durations=15 "$@" || status=1
+
+# suite VENV MARKEXPR [DISTRIBUTED_MARKEXPR]
+suite() {
+  local python=$1/bin/python marks=$2 dist_marks=${3:-$2}
+  if [ "${#ARGS[@]}" -gt 0 ]; then
+    "$python" -m pytest -m "$marks" --durations=15 "${ARGS[@]}" || status=1
+    return
+  fi
+  "$python" -m pytest tests/unit -m "$marks" -n 2 --durations=10 || status=1
+  "$python" -m pytest tests/distributed -m "$dist_marks" --durations=15 || status=1
+}
+ARGS=("$@")
+echo "== suite 1/2: DeepSpeed installed (every test not marked 'nodeepspeed' nor 'dsfree')"
+suite .venv "not nodeepspeed" "not nodeepspeed and not dsfree"
 echo "== suite 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
-.venv-nods/bin/python -m pytest -m "not deepspeed" --durations=15 "$@" || status=1
+suite .venv-nods "not deepspeed"
 if [ "$status" = 0 ]; then echo "== all passed"; else echo "== FAILED"; fi
 exit $status

@@ -44,6 +44,45 @@ QUICK_DISTRIBUTED = (
 )
 
 
+# Launches that exercise only the accelerate fallback (an explicit `backend="accelerate"`, never
+# "auto") or only the launcher with plain torch workers. Nothing in them depends on DeepSpeed
+# being installed, so the whole suite (scripts/test.sh) runs them once, in the environment
+# where DeepSpeed is absent (marked `dsfree`, deselected in the DeepSpeed environment); there
+# they also prove the fallback needs no DeepSpeed. Where DeepSpeed is installed the fallback
+# is still exercised by the quick tier's fallback launches (not listed here, so they run in
+# both environments), by the fallback scenarios that share a launch with DeepSpeed's
+# (test_resume, test_peft, test_accelerate_port, test_consolidation) and by the unit tests.
+# A test that uses the "auto" backend (DeepSpeed where installed) does not belong here.
+DSFREE_DISTRIBUTED = (
+    "tests/distributed/test_accelerate_idiom.py::test_fallback_",
+    "tests/distributed/test_async_checkpoint.py::test_background_saves_train_identically_and_agree_on_errors[fallback]",
+    "tests/distributed/test_async_checkpoint.py::test_a_sigkill_during_the_background_write_resumes_from_the_previous_checkpoint[fallback]",
+    "tests/distributed/test_autosave.py::test_a_signal_to_one_rank_saves_the_same_step_on_both_and_the_rerun_ends_identical[fallback-",
+    "tests/distributed/test_autosave.py::test_a_sigkilled_rank_restarts_and_ends_identical[fallback]",
+    "tests/distributed/test_autosave_faults.py::test_a_rank_killed_inside_a_save_restarts_from_the_one_before_and_ends_identical[fallback-",
+    "tests/distributed/test_autosave_faults.py::test_sigterm_in_the_middle_of_a_backward_saves_one_agreed_step_and_the_rerun_ends_identical[fallback]",
+    "tests/distributed/test_borrowed_group.py::test_a_group_the_host_formed_survives_end_training[keep-accelerate]",
+    "tests/distributed/test_borrowed_group.py::test_a_group_the_host_formed_survives_end_training[strip-accelerate]",
+    "tests/distributed/test_borrowed_group.py::test_a_group_the_engine_formed_is_destroyed_by_end_training[accelerate]",
+    "tests/distributed/test_crash_during_save.py::test_kill_during_saves_fallback",
+    "tests/distributed/test_data_pipelines.py::test_fallback_",
+    "tests/distributed/test_dead_rank.py::test_a_dead_rank_ends_every_rank_within_60s[fallback-",
+    "tests/distributed/test_engine_misuse.py::test_engine_misuse_on_two_ranks[accelerate]",
+    "tests/distributed/test_fallback_fsdp.py::",
+    "tests/distributed/test_generate.py::test_fallback_",
+    "tests/distributed/test_hangs.py::test_a_hang_is_named_within_the_timeout[fallback-",
+    "tests/distributed/test_launch.py::",
+    "tests/distributed/test_multi_model.py::test_fallback_",
+    "tests/distributed/test_nonfinite_policy.py::test_fallback_",
+    "tests/distributed/test_ray_train.py::test_ray_workers_train_what_torchrun_ranks_train[fallback]",
+    "tests/distributed/test_ray_train.py::test_a_run_resumed_through_rays_checkpoint_ends_exactly_like_an_uninterrupted_one[fallback]",
+    "tests/distributed/test_save_faults.py::test_a_failed_save_ends_every_rank_within_seconds_naming_rank_file_and_cause[fallback]",
+    "tests/distributed/test_scripts.py::test_scripts_on_the_accelerate_fallback_",
+    "tests/distributed/test_token_weighted.py::test_the_fallback_",
+    "tests/distributed/test_utilities.py::test_utilities_on_the_accelerate_fallback",
+)
+
+
 def _is_quick(item: pytest.Item) -> bool:
     if item.get_closest_marker("slow"):
         return False
@@ -53,9 +92,24 @@ def _is_quick(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    matched: set[str] = set()
     for item in items:
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
+        dsfree = [prefix for prefix in DSFREE_DISTRIBUTED if item.nodeid.startswith(prefix)]
+        if dsfree and not _is_quick(item):
+            if item.get_closest_marker("deepspeed"):
+                raise pytest.UsageError(f"{item.nodeid}: marked `deepspeed`, listed in DSFREE_DISTRIBUTED")
+            item.add_marker(pytest.mark.dsfree)
+            matched.update(dsfree)
+    # an entry that no longer names a test would silently move nothing: where whole folders
+    # were collected (no test ids, no -k), every entry of a collected file must match
+    whole = all("::" not in arg and os.path.isdir(arg) for arg in config.option.file_or_dir or [])
+    if whole and not config.option.keyword:
+        files = {item.nodeid.split("::")[0] for item in items}
+        stale = [p for p in DSFREE_DISTRIBUTED if p not in matched and p.split("::")[0] in files]
+        if stale:
+            raise pytest.UsageError(f"DSFREE_DISTRIBUTED entries that name no test: {stale}")
     # A test marked `deepspeed` must never be silently skipped: in the DeepSpeed-free
     # environment scripts/test.sh deselects them with -m "not deepspeed"; anywhere else a
     # missing DeepSpeed is a failure, not a skip.

@@ -8,8 +8,8 @@
   joins later makes the group grow to 2 at the next restart. Both end where one uninterrupted
   process ends (weights within 4e-4 relative).
 
-The elastic runs wait out the c10d rendezvous' last call (30 s, torchrun's default) at each
-round, so they are `slow`.
+The elastic runs launch through `elastic_launch.py`, which shortens the c10d rendezvous' last
+call (30 s, torchrun's default) in the rounds where no late node is expected; they are `slow`.
 """
 
 from __future__ import annotations
@@ -201,9 +201,17 @@ def _listening(endpoint: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
-def _elastic_cmd(endpoint: str, run_id: str, out: Path, max_restarts: int) -> list[str]:
+# `ds-engine launch` with torchrun's rendezvous last call (30 s) shortened where the test
+# needs no late node: the wait in the first round, then in every round after a restart
+ELASTIC_LAUNCH = Path(__file__).parent / "elastic_launch.py"
+
+
+def _elastic_cmd(
+    endpoint: str, run_id: str, out: Path, max_restarts: int, last_call: tuple[float, float]
+) -> list[str]:
     return [
-        *LAUNCH, "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        sys.executable, str(ELASTIC_LAUNCH), *map(str, last_call),
+        "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--max-restarts", str(max_restarts), "--nproc-per-node", "1", str(WORKER),
         "--out", str(out), "--ckpt", str(out / "ckpt"), "--step-sleep", "0.4",
     ]  # fmt: skip
@@ -215,7 +223,8 @@ def test_a_killed_node_leaves_a_smaller_group_that_resumes_from_the_newest_autos
 ) -> None:
     out = tmp_path / "out"
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = _elastic_cmd(endpoint, "shrink", out, max_restarts=2)
+    # node B must join node A's first round (torchrun's 30 s); after B dies, A waits 3 s alone
+    cmd = _elastic_cmd(endpoint, "shrink", out, max_restarts=2, last_call=(30, 3))
     logs = [tmp_path / "node_a.log", tmp_path / "node_b.log"]
     # node A starts first and hosts the rendezvous store (the endpoint): the job lives as long
     # as that host does, as with torchrun on a real cluster; node B is the one that dies
@@ -249,7 +258,8 @@ def test_a_node_that_joins_later_grows_the_group_at_the_next_restart(
 ) -> None:
     out = tmp_path / "out"
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = _elastic_cmd(endpoint, "grow", out, max_restarts=2)
+    # node A starts alone after 3 s; the round node B joins ends as soon as both are in
+    cmd = _elastic_cmd(endpoint, "grow", out, max_restarts=2, last_call=(3, 30))
     logs = [tmp_path / "node_a.log", tmp_path / "node_b.log"]
     first = _start(cmd, worker_env(), logs[0])
     _wait_for(
