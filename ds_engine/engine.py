@@ -58,10 +58,6 @@ from ds_engine.step_state import StepState
 
 _log = logging.getLogger("ds_engine")
 
-#: Engines of this process that have not ended (`end_training`): see `ds_engine.process_group`.
-_GROUP_USERS = process_group._USERS
-
-
 _is_scheduler = is_scheduler  # the name callers used before `ds_engine.scheduler.is_scheduler`
 
 
