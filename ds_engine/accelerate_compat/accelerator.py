@@ -316,14 +316,16 @@ class Accelerator(Engine):
         rest = [o for o in objects if not isinstance(o, (DummyOptim, DummyScheduler))]
         if dummy_optim or dummy_sched:
             deepspeed = self.distributed_type == DistributedType.DEEPSPEED
-            check_dummies(dummy_optim, dummy_sched, self.config, self.backend_name, deepspeed=deepspeed)
+            models = sum(isinstance(o, torch.nn.Module) for o in objects) + len(self._owner_modules())
+            models += self.model is not None
+            check_dummies(dummy_optim, dummy_sched, self.config, self.backend_name, deepspeed, models)
             values, params = dummy_values(
                 dummy_optim, dummy_sched, self.dataloader_config.split_batches, self.num_processes
             )
             if params is not None:
                 self.config_optimizer_parameters = params
             self.fill_auto(values)
-        late = [o for o in rest if self._is_late_scheduler(o)]
+        late = [o for o in rest if self._is_late_scheduler(o, rest)]
         engine_objects = [o for o in rest if not any(o is s for s in late)]
         mine, extras = plan_models(engine_objects, objects, is_scheduler, has_model=self.model is not None)
         prepared: dict[int, Any] = {}
@@ -349,13 +351,12 @@ class Accelerator(Engine):
         out = tuple(prepared[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
 
-    def _is_late_scheduler(self, obj: Any) -> bool:
+    def _is_late_scheduler(self, obj: Any, call: list[Any]) -> bool:
         """A scheduler handed to `prepare` after the model and optimizer it drives were prepared."""
-        if not is_scheduler(obj) or isinstance(obj, torch.optim.Optimizer):
+        driving = getattr(obj, "optimizer", None)
+        if not is_scheduler(obj) or isinstance(obj, torch.optim.Optimizer) or any(driving is o for o in call):
             return False
-        if self._extra_engines:
-            return id(getattr(obj, "optimizer", None)) in self._owner
-        return self.model is not None
+        return id(driving) in self._owner or (self.model is not None and not self._extra_engines)
 
     def prepare_data_loader(
         self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None

@@ -283,9 +283,18 @@ def _map_handlers(handlers: Sequence[Any]) -> dict[str, Any]:
     return choices
 
 
-def check_dummies(optims: list[Any], scheds: list[Any], config: Any, backend: str, deepspeed: bool) -> None:
+def check_dummies(
+    optims: list[Any], scheds: list[Any], config: Any, backend: str, deepspeed: bool, models: int = 1
+) -> None:
     """Refuse DummyOptim / DummyScheduler that nothing would stand behind (`config`: the Engine's
-    resolved choices; `deepspeed`: the run uses DeepSpeed)."""
+    resolved choices; `deepspeed`: the run uses DeepSpeed; `models`: the models prepared beside
+    the Accelerator's own, and in this call)."""
+    if models > 1:
+        raise ValueError(
+            "ds_engine.Accelerator.prepare: DummyOptim / DummyScheduler stand for the one optimizer and "
+            f"scheduler of the DeepSpeed config, and this Accelerator prepares {models} models. HINT: "
+            "pass a torch optimizer (and scheduler) for each trained model."
+        )
     hint = (
         "put an `optimizer` / `scheduler` block in the DeepSpeed config (DS_ENGINE_CONFIG or "
         "deepspeed_plugin), or pass a torch optimizer / scheduler"

@@ -175,6 +175,13 @@ def test_windows_that_end_inside_an_epoch_are_refused_with_two_trained_models():
         acc.end_training()
 
 
+def test_dummy_optim_with_several_models_is_refused():
+    from ds_engine.accelerate_compat.constructor import check_dummies
+
+    with pytest.raises(ValueError, match=r"prepares 2 models. HINT: pass a torch optimizer"):
+        check_dummies([object()], [], None, "deepspeed", True, 2)
+
+
 # ---------------------------------------------------------------- routing
 def test_a_gan_step_trains_each_model_with_its_own_optimizer_and_schedule(acc):
     gen, disc, opt_g, opt_d, sched_g, sched_d, loader = _gan(acc)
@@ -233,6 +240,29 @@ def test_a_frozen_teacher_and_a_reference_model_without_optimizer_beside_the_stu
     assert (tmp_path / "teacher" / "model.safetensors").is_file()
     saved = acc.save_state(tmp_path / "state")  # inference-only models hold no training state
     assert not (tmp_path / "state" / "model_0").exists() and saved == str(tmp_path / "state")
+
+
+def test_models_prepared_in_separate_calls_keep_their_optimizers_and_schedulers(acc):
+    gen, disc = _models()
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    gen, opt_g, loader = acc.prepare(gen, opt_g, _loader())
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    sched_d = torch.optim.lr_scheduler.StepLR(opt_d, 1, gamma=0.5)
+    disc, opt_d, sched_d = acc.prepare(disc, opt_d, sched_d)  # a scheduler beside its optimizer
+    teacher = acc.prepare(torch.nn.Linear(2, 1))  # a later inference model
+    assert acc.lr_scheduler is None  # the discriminator's schedule is its own Engine's
+    sched_g = acc.prepare(torch.optim.lr_scheduler.StepLR(opt_g, 1, gamma=0.1))  # late, the generator's
+    assert acc.lr_scheduler is sched_g
+    for (real,) in loader:
+        with acc.accumulate(gen, disc):
+            with torch.no_grad():
+                real = real + teacher(real)
+            acc.backward(disc(real).mean())
+            opt_d.step()
+            sched_d.step()
+            opt_d.zero_grad()
+    assert sched_d.get_last_lr()[0] == pytest.approx(0.1 * 0.5 ** len(loader))
+    assert sched_g.get_last_lr()[0] == pytest.approx(0.1)  # the generator never stepped
 
 
 @pytest.mark.deepspeed
