@@ -427,7 +427,7 @@ class Accelerator(Engine):
 
     def _check_windows(self) -> None:
         if any(e.optimizer is not None for e in self._extra_engines):
-            check_windows(self._loaders_seen, self.gradient_accumulation_steps)
+            check_windows(self._loaders_seen[:1], self.gradient_accumulation_steps)  # the training loader
 
     def _trained_extras(self) -> list[tuple[int, Engine]]:
         """(accelerate's model index, Engine) of every model trained beside the first."""

@@ -155,14 +155,14 @@ def reached_engines(loss: torch.Tensor, engines: list[Engine]) -> list[Engine]:
 
 def check_windows(loaders: Sequence[Any], ga: int) -> None:
     """With models trained beside the first, each counts its windows GA micro-steps at a time:
-    refuse a prepared loader whose epoch would end inside a window (only the first Engine sees
-    the loader's short last window)."""
+    refuse a training loader (the first prepared) whose epoch would end inside a window (only the
+    first Engine sees the loader's short last window)."""
     for loader in loaders if ga > 1 else ():
         batches = loader.schedule_lengths()
         if batches is None or batches[1] % ga:
             raise ValueError(
                 f"ds_engine.Accelerator: several trained models with gradient_accumulation_steps={ga} "
-                "need every epoch to end at a window's end, and a prepared dataloader has "
+                "need every epoch to end at a window's end, and the training dataloader has "
                 f"{'no known length' if batches is None else f'{batches[1]} batches per process'}. "
                 f"HINT: make its batches per process a multiple of {ga} (the dataset size, "
                 "`batch_size` or `drop_last=True`), or accumulate over 1 step."

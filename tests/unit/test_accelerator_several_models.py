@@ -173,6 +173,13 @@ def test_windows_that_end_inside_an_epoch_are_refused_with_two_trained_models():
             )
     finally:
         acc.end_training()
+    acc = ds_engine.Accelerator(backend="accelerate", gradient_accumulation_steps=2)
+    try:  # only the training loader (the first) counts: an evaluation loader may end anywhere
+        gen, disc = _models()
+        opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=1), torch.optim.SGD(disc.parameters(), lr=1)
+        acc.prepare(gen, disc, opt_g, opt_d, _loader(8, 2), _loader(10, 2))
+    finally:
+        acc.end_training()
 
 
 def test_dummy_optim_with_several_models_is_refused():
