@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ds_engine import process_group
+from ds_engine._build_locks import check_no_stale_build_lock
 from ds_engine._console import quiet_unless_main
 from ds_engine._imports import require_deepspeed
 from ds_engine._values import env_int
@@ -80,12 +81,11 @@ class DeepSpeedBackend(Backend):
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
-        from ds_engine._build_locks import check_no_stale_build_lock
         from ds_engine.restarts import init_restarted_process_group
 
-        check_no_stale_build_lock()  # DeepSpeed loads its ops from here on: never wait on a dead build
         if dist.is_initialized():
-            return
+            return  # called on every micro-step (`num_processes`): nothing to check or form
+        check_no_stale_build_lock()  # DeepSpeed loads its ops from here on: never wait on a dead build
         _ensure_launch_env()
         init_restarted_process_group(  # a group torchrun restarted: fresh rendezvous keys
             get_accelerator().communication_backend_name(), timedelta(seconds=self.effective.dist_timeout_s)
@@ -171,6 +171,7 @@ class DeepSpeedBackend(Backend):
         import torch._dynamo  # noqa: F401  transformers imports it lazily; inside zero.Init
         import torch.distributed as dist  # (torch.Tensor.__new__ patched) that import fails
 
+        check_no_stale_build_lock()  # zero.Init may build DeepSpeed's ops
         self.setup_distributed()
         # zero.Init needs a config whose batch triangle DeepSpeed accepts; the real micro
         # batch is not known yet, so build one with a placeholder that `prepare` replaces.
@@ -215,6 +216,7 @@ class DeepSpeedBackend(Backend):
     ) -> Prepared:
         import deepspeed
 
+        check_no_stale_build_lock()  # `initialize` may build DeepSpeed's ops (CPU Adam under offload)
         self.setup_distributed()
         # No torch optimizer and no `optimizer` block: the model is prepared for inference only
         # (a frozen teacher or reference model), with no optimizer state and no gradients.
