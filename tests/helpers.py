@@ -81,16 +81,19 @@ def prepared_linear(
     return engine, *engine.prepare(model, made, loader)
 
 
-def micro_step(engine: Any, model: Any, optimizer: Any, batch: Any, scheduler: Any = None) -> None:
+def micro_step(engine: Any, model: Any, optimizer: Any, batch: Any, scheduler: Any = None) -> torch.Tensor:
     """The standard loop body on one `(x, y)` batch: mean-squared error, `engine.backward`, then
-    the optimizer's (and `scheduler`'s) step and `zero_grad` inside `engine.accumulate(model)`."""
+    the optimizer's (and `scheduler`'s) step and `zero_grad` inside `engine.accumulate(model)`
+    (an Engine or an Accelerator). Returns the loss."""
     x, y = batch
     with engine.accumulate(model):
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        engine.backward(loss)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
+    return loss
 
 
 def train(

@@ -15,7 +15,7 @@ import torch
 import ds_engine
 import ds_engine.accelerator as accelerator_module
 from ds_engine.accelerator import COMPAT, DIFFERS, NOT_APPLICABLE, SUPPORTED
-from tests.helpers import regression_loader
+from tests.helpers import micro_step, regression_loader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,13 +177,8 @@ def test_training_loop_decorators_and_collectives():
     acc = _acc()
     model, opt, loader, sched = _train(acc)
     seen = []
-    for x, y in acc.skip_first_batches(loader, 1):
-        with acc.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+    for batch in acc.skip_first_batches(loader, 1):
+        micro_step(acc, model, opt, batch, sched)
         seen.append(acc.gather_for_metrics(["sample"]))
     assert len(seen) == 3 and sched.get_last_lr() == pytest.approx([0.025])
     assert len(list(loader)) == 4  # the skip applied to one iteration only
@@ -326,12 +321,8 @@ def test_deepspeed_facts_plugin_view_and_dummies():
         )
         assert opt is acc.optimizer and sched is acc.lr_scheduler and sched is not None
         assert acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
-        for x, y in loader:
-            with acc.accumulate(model):
-                acc.backward(torch.nn.functional.mse_loss(model(x), y))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+        for batch in loader:
+            micro_step(acc, model, opt, batch, sched)
         assert acc.num_optimizer_steps == 4
         with pytest.raises(RuntimeError, match="clip_grad_norm_"):
             acc.clip_grad_value_(model.parameters(), 1.0)
@@ -383,12 +374,8 @@ def test_dummies_fill_the_config_autos_as_accelerate_does():
         decay = [g["weight_decay"] for g in opt.param_groups]
         assert decay == [0.01, 0.0], "DummyOptim's param groups are what the config optimizer trains"
         lrs = []
-        for x, y in loader:
-            with acc.accumulate(model):
-                acc.backward(torch.nn.functional.mse_loss(model(x), y))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+        for batch in loader:
+            micro_step(acc, model, opt, batch, sched)
             lrs.append(sched.get_last_lr()[0])
         assert lrs[1] == pytest.approx(0.05) and lrs[0] < lrs[1], lrs  # warm-up of 2 steps to 0.05
     finally:

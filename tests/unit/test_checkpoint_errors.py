@@ -22,6 +22,7 @@ from ds_engine.checkpoint import (
     restore_rng_state,
 )
 from ds_engine.consolidate import consolidate_checkpoint
+from tests.helpers import micro_step
 
 
 class Custom:
@@ -50,12 +51,8 @@ def _prepared(ga: int = 2, num_samples: int = 16, model: torch.nn.Module | None 
 
 def _train(engine, model, optimizer, loader, scheduler, steps: int, save=None) -> None:
     done = 0
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    for batch in loader:
+        micro_step(engine, model, optimizer, batch, scheduler)
         if engine.sync_gradients:
             done += 1
             if save is not None:

@@ -9,7 +9,7 @@ import torch
 from ds_engine import Engine
 from ds_engine.backends.base import Backend
 from ds_engine.scheduler import OverflowAwareScheduler, is_scheduler
-from tests.helpers import regression_loader
+from tests.helpers import micro_step, regression_loader
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -22,12 +22,8 @@ def _steps(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, loader
 ) -> list[float]:
     lrs = []
-    for x, y in loader:
-        with engine.accumulate(model):
-            engine.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    for batch in loader:
+        micro_step(engine, model, optimizer, batch, scheduler)
         lrs.append(optimizer.param_groups[0]["lr"])
     return lrs
 

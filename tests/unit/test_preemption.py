@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ds_engine.autosave import newest_complete_tag
 from ds_engine.manifest import MANIFEST_NAME, check_manifest, write_manifest
 from ds_engine.preemption import PREEMPTED_EXIT_CODE, SignalFlag, requeue_slurm_job, resolve_signals
-from tests.helpers import prepared_linear, quiet_fallback
+from tests.helpers import micro_step, prepared_linear, quiet_fallback
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -228,13 +228,8 @@ def _prepared(ga: int = 1) -> tuple[Any, ...]:
 
 def _train(engine: Any, model: Any, optimizer: Any, loader: Any, stop: int | None = None) -> list[float]:
     losses = []
-    for x, y in loader:
-        with engine.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+    for batch in loader:
+        losses.append(micro_step(engine, model, optimizer, batch).item())
         if stop is not None and engine.num_optimizer_steps == stop:
             break
     return losses

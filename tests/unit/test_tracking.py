@@ -15,7 +15,7 @@ import torch
 
 from ds_engine import Engine
 from ds_engine.plot import read_metrics
-from tests.helpers import regression_loader
+from tests.helpers import micro_step, regression_loader
 
 
 def _engine(**choices) -> Engine:
@@ -31,13 +31,8 @@ def test_log_writes_one_line_per_call_with_the_engines_facts(tmp_path: Path) -> 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, regression_loader(), scheduler)
     engine.log_to(tmp_path / "run", config={"lr": 0.1, "model": "linear"})
-    for x, y in loader:
-        with engine.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    for batch in loader:
+        loss = micro_step(engine, model, optimizer, batch, scheduler)
         if engine.sync_gradients:
             engine.log({"loss": loss.detach()})  # a one-element tensor is logged as its number
     engine.log({"eval_loss": 0.5, "eval_accuracy": 0.75})
