@@ -179,6 +179,31 @@ def run_workers(
     return results
 
 
+def shared_scenarios(
+    request: Any, table: dict[str, list[dict[str, Any]]]
+) -> tuple[list[dict[str, Any]], dict[str, slice]]:
+    """The scenarios of several tests, for one launch that a module-scoped fixture shares.
+
+    `table`: test name (without parameters) -> that test's scenarios. Returns the scenarios of
+    those tests of the fixture's module that this session runs (deselected ones are left out,
+    so `-m quick` launches only the quick test's), in one list, and each such test's slice of
+    it: a worker that returns one result per scenario, in order, answers every test at once,
+    and each test still checks (and fails on) its own results alone.
+    """
+    selected = {
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
+    scenarios: list[dict[str, Any]] = []
+    slices = {}
+    for name, own in table.items():
+        if name in selected:
+            slices[name] = slice(len(scenarios), len(scenarios) + len(own))
+            scenarios += own
+    return scenarios, slices
+
+
 def exit_probes(out: Path) -> list[bool]:
     """Per rank, whether the process group was still alive at interpreter exit.
 

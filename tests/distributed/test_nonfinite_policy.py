@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import WORKERS, run_command, torchrun_command, worker_env
+from tests.distributed.launcher import WORKERS, run_command, shared_scenarios, torchrun_command, worker_env
 
 pytestmark = pytest.mark.distributed
 
@@ -66,11 +66,15 @@ def _check(ranks: list[dict], index: int) -> None:
     assert r0["weights_finite"], f"{label}: non-finite weights after the run"
 
 
-def _run_and_check(tmp_path: Path, scenarios: list[dict]) -> None:
-    code, out, ranks, tail = _launch(tmp_path, scenarios)
+def _check_job(code: int, out: str, tail: float) -> None:
     assert code != 0, "the uncaught FloatingPointError did not fail the job"
     assert out.count("FloatingPointError: 3 optimizer steps in a row") >= 2, out[-6000:]  # both ranks
     assert tail < 60, f"the job took {tail:.0f}s to end after the error"
+
+
+def _run_and_check(tmp_path: Path, scenarios: list[dict]) -> None:
+    code, out, ranks, tail = _launch(tmp_path, scenarios)
+    _check_job(code, out, tail)
     for index in range(len(scenarios)):
         _check(ranks, index)
 
@@ -79,15 +83,37 @@ def test_fallback_fp32_and_bf16_skip_count_then_raise_on_every_rank(tmp_path: Pa
     _run_and_check(tmp_path, [{"backend": "accelerate", "precision": p} for p in ("fp32", "bf16")])
 
 
-@pytest.mark.deepspeed
-def test_deepspeed_bf16_skip_count_then_raise_on_every_rank(tmp_path: Path) -> None:
-    _run_and_check(
-        tmp_path, [{"backend": "deepspeed", "zero_stage": z, "precision": "bf16"} for z in (0, 2, 3)]
-    )
+DEEPSPEED = {
+    f"test_deepspeed_{precision}_skip_count_then_raise_on_every_rank": [
+        {"backend": "deepspeed", "zero_stage": z, "precision": precision} for z in (0, 2, 3)
+    ]
+    for precision in ("bf16", "fp32")
+}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One launch for the scenarios of both DeepSpeed tests (those selected); the job re-raises
+    the last scenario's error. Each test checks the job's end and its own scenarios."""
+    scenarios, slices = shared_scenarios(request, DEEPSPEED)
+    code, out, ranks, tail = _launch(tmp_path_factory.mktemp("nonfinite_deepspeed"), scenarios)
+    return code, out, ranks, tail, slices
+
+
+def _check_deepspeed(job, name: str) -> None:
+    code, out, ranks, tail, slices = job
+    _check_job(code, out, tail)
+    indices = range(len(ranks[0]["results"]))[slices[name]]
+    assert len(indices) == len(DEEPSPEED[name])
+    for index in indices:
+        _check(ranks, index)
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_fp32_skip_count_then_raise_on_every_rank(tmp_path: Path) -> None:
-    _run_and_check(
-        tmp_path, [{"backend": "deepspeed", "zero_stage": z, "precision": "fp32"} for z in (0, 2, 3)]
-    )
+def test_deepspeed_bf16_skip_count_then_raise_on_every_rank(deepspeed_job) -> None:
+    _check_deepspeed(deepspeed_job, "test_deepspeed_bf16_skip_count_then_raise_on_every_rank")
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_fp32_skip_count_then_raise_on_every_rank(deepspeed_job) -> None:
+    _check_deepspeed(deepspeed_job, "test_deepspeed_fp32_skip_count_then_raise_on_every_rank")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import exit_probes, run_workers
+from tests.distributed.launcher import exit_probes, run_workers, shared_scenarios
 
 pytestmark = pytest.mark.distributed
 
@@ -21,14 +21,23 @@ INJECT = [2, 3]
 STEPS = 8
 
 
-def _run(scenarios: list[dict]) -> list[dict]:
+def _launch(scenarios: list[dict]) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="ds_engine_overflow_"))
     results = run_workers("overflow.py", "--scenarios", json.dumps(scenarios), out_dir=out)[0]["results"]
-    for r in results:
-        assert "error" not in r, f"{r}\n{r.get('tb')}"
     # several Engines ran in each process; none left its process group to finalization
     assert exit_probes(out) == [False, False]
+    assert len(results) == len(scenarios)
     return results
+
+
+def _no_errors(results: list[dict]) -> list[dict]:
+    for r in results:
+        assert "error" not in r, f"{r}\n{r.get('tb')}"
+    return results
+
+
+def _run(scenarios: list[dict]) -> list[dict]:
+    return _no_errors(_launch(scenarios))
 
 
 def _check_skips(r: dict) -> None:
@@ -67,23 +76,64 @@ def _lambda_lrs(r: dict) -> None:
     assert r["scheduler_steps"] == r["num_optimizer_steps"] == r["last_epoch"]
 
 
-@pytest.mark.deepspeed
-def test_deepspeed_fp16_and_bf16_skip_steps_and_hold_the_schedule_on_zero_0_to_3():
-    scenarios = [
+ZERO_0_TO_3 = [
+    {
+        "backend": "deepspeed",
+        "zero_stage": stage,
+        "precision": precision,
+        "inject": INJECT,
+        "ga": 2,
+        "steps": STEPS,
+        "hysteresis": 2,
+        "initial_scale_power": 8,
+    }
+    for stage in (0, 1, 2, 3)
+    for precision in ("fp16", "bf16")
+]
+CLIP_AND_SCHEDULES = [
+    {
+        "backend": "deepspeed",
+        "zero_stage": stage,
+        "precision": "fp16",
+        "inject": INJECT,
+        "ga": 4,
+        "steps": STEPS,
+        "clip": 1.0,
+        "hf_schedule": True,
+    }
+    for stage in (0, 2)
+] + [
+    {
+        "backend": "deepspeed",
+        "zero_stage": 2,
+        "precision": "bf16",
+        "inject": INJECT,
+        "ga": 2,
+        "steps": STEPS,
+        "ds_scheduler": True,
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(request: pytest.FixtureRequest) -> dict[str, list[dict]]:
+    """One launch for the DeepSpeed scenarios of both DeepSpeed tests (those selected)."""
+    scenarios, slices = shared_scenarios(
+        request,
         {
-            "backend": "deepspeed",
-            "zero_stage": stage,
-            "precision": precision,
-            "inject": INJECT,
-            "ga": 2,
-            "steps": STEPS,
-            "hysteresis": 2,
-            "initial_scale_power": 8,
-        }
-        for stage in (0, 1, 2, 3)
-        for precision in ("fp16", "bf16")
-    ]
-    for r in _run(scenarios):
+            "test_deepspeed_fp16_and_bf16_skip_steps_and_hold_the_schedule_on_zero_0_to_3": ZERO_0_TO_3,
+            "test_deepspeed_clip_with_ga4_fp16_and_hf_schedules_and_native_scheduler": CLIP_AND_SCHEDULES,
+        },
+    )
+    results = _launch(scenarios)
+    return {name: results[where] for name, where in slices.items()}
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_fp16_and_bf16_skip_steps_and_hold_the_schedule_on_zero_0_to_3(deepspeed_runs):
+    results = deepspeed_runs["test_deepspeed_fp16_and_bf16_skip_steps_and_hold_the_schedule_on_zero_0_to_3"]
+    assert len(results) == len(ZERO_0_TO_3)
+    for r in _no_errors(results):
         _check_skips(r)
         _lambda_lrs(r)
         scales = [rec["loss_scale"] for rec in r["records"]]
@@ -102,31 +152,11 @@ def test_deepspeed_fp16_and_bf16_skip_steps_and_hold_the_schedule_on_zero_0_to_3
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_clip_with_ga4_fp16_and_hf_schedules_and_native_scheduler():
-    scenarios = [
-        {
-            "backend": "deepspeed",
-            "zero_stage": stage,
-            "precision": "fp16",
-            "inject": INJECT,
-            "ga": 4,
-            "steps": STEPS,
-            "clip": 1.0,
-            "hf_schedule": True,
-        }
-        for stage in (0, 2)
-    ] + [
-        {
-            "backend": "deepspeed",
-            "zero_stage": 2,
-            "precision": "bf16",
-            "inject": INJECT,
-            "ga": 2,
-            "steps": STEPS,
-            "ds_scheduler": True,
-        }
-    ]
-    results = _run(scenarios)
+def test_deepspeed_clip_with_ga4_fp16_and_hf_schedules_and_native_scheduler(deepspeed_runs):
+    results = _no_errors(
+        deepspeed_runs["test_deepspeed_clip_with_ga4_fp16_and_hf_schedules_and_native_scheduler"]
+    )
+    assert len(results) == len(CLIP_AND_SCHEDULES)
     for r in results:
         _check_skips(r)
     for r in results[:2]:

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.distributed.launcher import run_workers
+from tests.distributed.launcher import run_workers, shared_scenarios
 
 pytestmark = pytest.mark.distributed
 
@@ -37,10 +37,27 @@ def _check_parity(results: list[dict]) -> None:
         assert r["boundaries"] == expected, label
 
 
+DEEPSPEED = {
+    "test_deepspeed_zero_0_to_3_match_the_big_batch_reference": _scenarios("deepspeed", [0, 1, 2, 3]),
+    "test_deepspeed_coalesced_reduction_is_once_per_step_with_the_same_weights": _scenarios(
+        "deepspeed", [2, 3], coalesce=True
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(request: pytest.FixtureRequest) -> dict[str, list[dict]]:
+    """One launch for the scenarios of both DeepSpeed tests (those selected: the quick tier
+    launches ZeRO 0-3 alone)."""
+    scenarios, slices = shared_scenarios(request, DEEPSPEED)
+    results = run_workers("parity.py", "--scenarios", json.dumps(scenarios))[0]["results"]
+    assert len(results) == len(scenarios)
+    return {name: results[where] for name, where in slices.items()}
+
+
 @pytest.mark.deepspeed
-def test_deepspeed_zero_0_to_3_match_the_big_batch_reference():
-    ranks = run_workers("parity.py", "--scenarios", json.dumps(_scenarios("deepspeed", [0, 1, 2, 3])))
-    results = ranks[0]["results"]
+def test_deepspeed_zero_0_to_3_match_the_big_batch_reference(deepspeed_runs):
+    results = deepspeed_runs["test_deepspeed_zero_0_to_3_match_the_big_batch_reference"]
     _check_parity(results)
     for r in results:
         per_step = r["reductions"] / r["num_optimizer_steps"]
@@ -54,11 +71,8 @@ def test_deepspeed_zero_0_to_3_match_the_big_batch_reference():
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_coalesced_reduction_is_once_per_step_with_the_same_weights():
-    ranks = run_workers(
-        "parity.py", "--scenarios", json.dumps(_scenarios("deepspeed", [2, 3], coalesce=True))
-    )
-    results = ranks[0]["results"]
+def test_deepspeed_coalesced_reduction_is_once_per_step_with_the_same_weights(deepspeed_runs):
+    results = deepspeed_runs["test_deepspeed_coalesced_reduction_is_once_per_step_with_the_same_weights"]
     _check_parity(results)
     for r in results:
         assert r["reductions"] / r["num_optimizer_steps"] == 1, r

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.distributed.launcher import run_workers
+from tests.distributed.launcher import run_workers, shared_scenarios
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -49,16 +49,34 @@ def _scenarios(backend: str, settings: list[tuple[int, bool]]) -> list[dict]:
     ]
 
 
-@pytest.mark.deepspeed
-def test_deepspeed_zero_0_and_1_apply_the_window_mean_for_every_window_length():
-    scenarios = _scenarios("deepspeed", [(0, False), (1, False)])
-    _check(run_workers("window_grads.py", "--scenarios", json.dumps(scenarios))[0]["results"])
+DEEPSPEED = {
+    "test_deepspeed_zero_0_and_1_apply_the_window_mean_for_every_window_length": _scenarios(
+        "deepspeed", [(0, False), (1, False)]
+    ),
+    "test_deepspeed_zero_2_and_3_apply_the_window_mean_for_every_window_length": _scenarios(
+        "deepspeed", [(2, False), (3, False), (2, True), (3, True)]
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(request: pytest.FixtureRequest) -> dict[str, list[dict]]:
+    """One launch for the scenarios of both DeepSpeed tests (those selected: the quick tier
+    launches ZeRO 0/1 alone)."""
+    scenarios, slices = shared_scenarios(request, DEEPSPEED)
+    results = run_workers("window_grads.py", "--scenarios", json.dumps(scenarios))[0]["results"]
+    assert len(results) == len(scenarios)
+    return {name: results[where] for name, where in slices.items()}
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_zero_2_and_3_apply_the_window_mean_for_every_window_length():
-    scenarios = _scenarios("deepspeed", [(2, False), (3, False), (2, True), (3, True)])
-    _check(run_workers("window_grads.py", "--scenarios", json.dumps(scenarios))[0]["results"])
+def test_deepspeed_zero_0_and_1_apply_the_window_mean_for_every_window_length(deepspeed_runs):
+    _check(deepspeed_runs["test_deepspeed_zero_0_and_1_apply_the_window_mean_for_every_window_length"])
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_zero_2_and_3_apply_the_window_mean_for_every_window_length(deepspeed_runs):
+    _check(deepspeed_runs["test_deepspeed_zero_2_and_3_apply_the_window_mean_for_every_window_length"])
 
 
 def test_fallback_ddp_and_fsdp2_apply_the_window_mean_for_every_window_length():
