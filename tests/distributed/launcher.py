@@ -185,7 +185,7 @@ def shared_scenarios(
     """The scenarios of several tests, for one launch that a module-scoped fixture shares.
 
     `table`: test name (without parameters) -> that test's scenarios. Returns the scenarios of
-    those tests of the fixture's module that this session runs (deselected ones are left out,
+    those tests of the fixture's module that this run selects (deselected ones are left out,
     so `-m quick` launches only the quick test's), in one list, and each such test's slice of
     it: a worker that returns one result per scenario, in order, answers every test at once,
     and each test still checks (and fails on) its own results alone.
