@@ -6,9 +6,10 @@
 # Sets up .venv (with DeepSpeed) and .venv-nods (without), runs ruff and mypy, then pytest
 # in each environment; exits non-zero if anything failed.
 #
-# In each environment the unit tests run on 2 pytest-xdist workers (CPU-bound, no process
-# group shared between tests) and the distributed tests one at a time (each is a 2-rank
-# launch; running two at once would make their timing checks depend on the load). Launches
+# In each environment the unit tests (all but tests/distributed) run on 2 pytest-xdist
+# workers (CPU-bound, no process group shared between tests) and the distributed tests one at
+# a time (each is a 2-rank launch; running two at once would make their timing checks depend
+# on the load). Launches
 # of the fallback or the launcher alone (marked `dsfree`, see tests/conftest.py) run only
 # where DeepSpeed is absent: nothing in them depends on DeepSpeed being installed. With
 # PYTEST_ARGS, each environment runs one plain pytest with them instead (`dsfree` included).
@@ -46,7 +47,7 @@ suite() {
     "$python" -m pytest -m "$marks" --durations=15 "${ARGS[@]}" || status=1
     return
   fi
-  "$python" -m pytest tests/unit -m "$marks" -n 2 --durations=10 || status=1
+  "$python" -m pytest tests --ignore=tests/distributed -m "$marks" -n 2 --durations=10 || status=1
   "$python" -m pytest tests/distributed -m "$dist_marks" --durations=15 || status=1
 }
 ARGS=("$@")
