@@ -9,10 +9,10 @@
 # In each environment the unit tests (all but tests/distributed) run on 2 pytest-xdist
 # workers (CPU-bound, no process group shared between tests) and the distributed tests one at
 # a time (each is a 2-rank launch; running two at once would make their timing checks depend
-# on the load). Launches
-# of the fallback or the launcher alone (marked `dsfree`, see tests/conftest.py) run only
-# where DeepSpeed is absent: nothing in them depends on DeepSpeed being installed. With
-# PYTEST_ARGS, each environment runs one plain pytest with them instead (`dsfree` included).
+# on the load). Launches of the fallback or the launcher alone (marked `dsfree`, see
+# tests/conftest.py) run only where DeepSpeed is absent: nothing in them depends on DeepSpeed
+# being installed. With PYTEST_ARGS, each environment runs one plain pytest with them instead
+# (`dsfree` included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
