@@ -1,6 +1,6 @@
 """Overhead of ds_engine over raw DeepSpeed and plain accelerate, on 2 CPU ranks.
 
-    .venv/bin/python scripts/benchmarks/bench_overhead.py                 # <= ~14 min (--budget 840), two sizes
+    .venv/bin/python scripts/benchmarks/bench_overhead.py          # two sizes, <= ~14 min (--budget 840)
     .venv/bin/python scripts/benchmarks/bench_overhead.py --budget 1800   # more pairs: a narrower interval
     .venv/bin/python scripts/benchmarks/bench_overhead.py --settings zero3,accelerate --ttfs-settings none
     .venv/bin/python scripts/benchmarks/bench_overhead.py --steps 20 --rounds 1  # fixed pairs, no early stop
