@@ -6,6 +6,7 @@ those dicts in rank order. A hard timeout kills the whole process group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -79,7 +80,7 @@ def run_command(
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             out, _ = proc.communicate()
             raise TimeoutError(
                 f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}"
@@ -87,7 +88,9 @@ def run_command(
         return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     deadline = time.monotonic() + timeout
     chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read() if proc.stdout else ""))
+    reader = threading.Thread(
+        target=lambda: chunks.append(proc.stdout.read() if proc.stdout else ""), daemon=True
+    )
     reader.start()
     done_at: float | None = None
     hung = False
@@ -97,17 +100,41 @@ def run_command(
             done_at = now
         hung = done_at is not None and now - done_at > exit_grace
         if hung or now > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             break
         reader.join(0.2)
-    reader.join()
+    reader.join(_PIPE_CLOSE_S)
     proc.wait()
-    out = "".join(chunks)
+    out = (
+        "".join(chunks)
+        if not reader.is_alive()
+        else f"(the output pipe stayed open {_PIPE_CLOSE_S:.0f} s after the kill)"
+    )
     if hung:
         return subprocess.CompletedProcess(cmd, -9, out + "\n" + EXIT_HANG, None)
     if time.monotonic() > deadline and proc.returncode == -signal.SIGKILL:
         raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+#: Seconds to wait for the output pipe to close once every process of a run was killed.
+_PIPE_CLOSE_S = 30.0
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the run's session and every descendant, also those that left it (a helper process
+    started in a new session of its own keeps the output pipe open, and a read would wait forever)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def torchrun_command(script: str | Path, *args: str, nproc: int = 2) -> list[str]:

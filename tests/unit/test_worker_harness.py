@@ -54,3 +54,41 @@ def test_a_run_that_hangs_after_writing_its_results_is_killed_and_marked(tmp_pat
         run_command([python, "-c", "import time; time.sleep(600)"], timeout=2, finished=lambda: False)
     normal = run_command([python, "-c", "print('ok')"], timeout=60, finished=lambda: True, exit_grace=30)
     assert normal.returncode == 0 and normal.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("mode", ["finished", "timeout"])
+def test_a_helper_process_in_its_own_session_does_not_keep_the_run_waiting(tmp_path, mode):
+    """A grandchild started in a new session (out of the run's process group) inherits the output
+    pipe; killing the group alone left the pipe open and the read waited forever. The whole tree
+    is killed: the run is judged within its limits and no process of it is left."""
+    import sys as _sys
+    import time as _time
+
+    import psutil
+
+    from tests.distributed.launcher import EXIT_HANG, run_command
+
+    flag = tmp_path / "result.json"
+    pid_file = tmp_path / "grandchild.pid"
+    python = _sys.executable
+    sleeper = "[sys.executable, '-c', 'import time; time.sleep(600)']"
+    lines = [
+        "import subprocess, sys, time",
+        f"child = subprocess.Popen({sleeper}, start_new_session=True)",
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))",
+        "print('working', flush=True)",
+    ]
+    if mode == "finished":
+        lines.append(f"open({str(flag)!r}, 'w')")
+    script = "\n".join([*lines, "time.sleep(600)"])
+    started = _time.monotonic()
+    if mode == "finished":
+        hung = run_command([python, "-c", script], timeout=120, finished=flag.exists, exit_grace=1)
+        assert hung.returncode == -9 and hung.stdout.endswith(EXIT_HANG) and "working" in hung.stdout
+    else:
+        with pytest.raises(TimeoutError, match="did not finish in 5s"):
+            run_command([python, "-c", script], timeout=5, finished=lambda: False)
+    assert _time.monotonic() - started < 60
+    grandchild = int(pid_file.read_text())
+    _time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
