@@ -239,3 +239,36 @@ def exit_probes(out: Path) -> list[bool]:
     """
     files = sorted(Path(out).glob("exit*.json"))
     return [json.loads(f.read_text())["group_alive_at_exit"] for f in files]
+
+
+#: The one line a ported accelerate script changes.
+ACCELERATE_IMPORT = "from accelerate import "
+
+
+def port_accelerate_script(script: Path, into: Path) -> Path:
+    """`script` copied into `into` with only its `from accelerate import` line changed."""
+    text = script.read_text()
+    assert text.count(ACCELERATE_IMPORT) == 1, f"{script.name} must have one `{ACCELERATE_IMPORT}` line"
+    ported = into / script.name
+    ported.write_text(text.replace(ACCELERATE_IMPORT, "from ds_engine import "))
+    return ported
+
+
+def launch_example(
+    script: Path, out: Path, *args: str, env: dict[str, str] | None = None, files: tuple[str, ...] = ()
+) -> None:
+    """Run an example script on 2 CPU ranks (`--out OUT --cpu ARGS`); raise with its output if it
+    failed. With `files`, a run that wrote them all and then hung or aborted at exit (torch's
+    gloo teardown race) is accepted with a warning."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_command(script, "--out", str(out), "--cpu", *args)
+
+    def written() -> bool:
+        return bool(files) and all((out / f).exists() for f in files)
+
+    result = run_command(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
+    if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
+        if result.stdout.endswith(EXIT_HANG) and written():
+            warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
+            return
+        raise RuntimeError(f"{script.name} failed (exit {result.returncode}):\n{result.stdout[-6000:]}")

@@ -17,51 +17,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.distributed.launcher import (
-    EXIT_HANG,
     ROOT,
-    only_exit_abort,
-    run_command,
-    torchrun_command,
-    worker_env,
+    launch_example,
+    port_accelerate_script,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXAMPLES = ROOT / "tests" / "accelerate_examples"
-IMPORT = "from accelerate import "
-
-
-def _port(script: Path, into: Path) -> Path:
-    """The script with only its `from accelerate import` line changed."""
-    text = script.read_text()
-    assert text.count(IMPORT) == 1, f"{script.name} must have one `{IMPORT}` line"
-    ported = into / script.name
-    ported.write_text(text.replace(IMPORT, "from ds_engine import "))
-    return ported
-
-
-def _launch(
-    script: Path, out: Path, *args: str, env: dict[str, str] | None = None, files: tuple[str, ...] = ()
-) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(script, "--out", str(out), "--cpu", *args)
-
-    def written() -> bool:
-        return bool(files) and all((out / f).exists() for f in files)
-
-    result = run_command(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
-    if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
-        if result.stdout.endswith(EXIT_HANG) and written():
-            warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
-            return
-        raise RuntimeError(f"{script.name} failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
 
 
 def _run(
@@ -79,7 +48,7 @@ def _run(
     out = tmp / flavour
     env: dict[str, str] = {}
     if flavour != "accelerate":
-        script = _port(script, tmp)
+        script = port_accelerate_script(script, tmp)
         if flavour == "zero2" and config is None:
             config = "zero2"
         if isinstance(config, dict):
@@ -91,7 +60,7 @@ def _run(
     phases = [list(args)] if example != "checkpoint_example.py" else [list(args), [*args, "--resume"]]
     for i, phase in enumerate(phases):
         # torch's exit-time abort is tolerated once the results are written (the last phase)
-        _launch(script, out, *phase, env=env, files=files if i == len(phases) - 1 else ())
+        launch_example(script, out, *phase, env=env, files=files if i == len(phases) - 1 else ())
     return {name: json.loads((out / name).read_text()) for name in files}
 
 

@@ -20,42 +20,25 @@ uninterrupted run's.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.distributed.launcher import (
-    EXIT_HANG,
     ROOT,
-    only_exit_abort,
-    run_command,
-    torchrun_command,
-    worker_env,
+    launch_example,
+    port_accelerate_script,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXAMPLES = ROOT / "tests" / "accelerate_examples"
-IMPORT = "from accelerate import "
 #: example -> the models whose final weights it writes
 WEIGHTS = {
     "distillation_example.py": ("student", "teacher", "reference"),
     "gan_example.py": ("generator", "discriminator"),
 }
-
-
-def _launch(script: Path, out: Path, *args: str, env: dict[str, str], done: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(script, "--out", str(out), "--cpu", *args)
-    written = (out / done).exists
-    result = run_command(cmd, timeout=420, env=worker_env(env), finished=written)
-    if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
-        if result.stdout.endswith(EXIT_HANG) and written():
-            warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
-            return
-        raise RuntimeError(f"{script.name} failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
 
 
 def _run(example: str, tmp: Path, flavour: str, *, resume: bool = True) -> dict[str, Any]:
@@ -66,16 +49,13 @@ def _run(example: str, tmp: Path, flavour: str, *, resume: bool = True) -> dict[
     out = tmp / flavour
     env: dict[str, str] = {}
     if flavour != "accelerate":
-        text = script.read_text()
-        assert text.count(IMPORT) == 1, f"{example} must have one `{IMPORT}` line"
-        script = tmp / example
-        script.write_text(text.replace(IMPORT, "from ds_engine import "))
+        script = port_accelerate_script(script, tmp)
         if flavour != "auto":
             env["DS_ENGINE_CONFIG"] = flavour
-    _launch(script, out, env=env, done="full.json")
+    launch_example(script, out, env=env, files=("full.json",))
     results = {"full": json.loads((out / "full.json").read_text()), "out": out}
     if resume:
-        _launch(script, out, "--resume", env=env, done="resumed.json")
+        launch_example(script, out, "--resume", env=env, files=("resumed.json",))
         results["resumed"] = json.loads((out / "resumed.json").read_text())
     return results
 
