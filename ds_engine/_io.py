@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "publish",
     "raise_problem",
     "raise_rank0_failure",
+    "remove_tree",
     "save_safe",
     "tmp_sibling",
     "world_size",
@@ -162,6 +164,22 @@ def listing(path: Path, limit: int = 12) -> str:
 
 
 # --------------------------------------------------------------------------- atomic folders
+def remove_tree(path: Path) -> list[str]:
+    """Remove the folder `path` as far as possible; return what could not be removed, each as
+    ``"<path>: <reason>"`` (empty when all of it went). Never raises for a file it cannot remove."""
+    problems: list[str] = []
+
+    def note(_function: Any, failed: str, info: Any) -> None:
+        error = info if isinstance(info, BaseException) else info[1]
+        problems.append(f"{failed}: {error}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)
+    else:
+        shutil.rmtree(path, onerror=note)
+    return problems
+
+
 def tmp_sibling(target: Path, kind: str) -> Path:
     return target.parent / f".{target.name}.{kind}-{os.getpid()}"
 

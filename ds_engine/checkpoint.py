@@ -58,6 +58,7 @@ from ds_engine._io import (
     load_safe,
     publish,
     raise_problem,
+    remove_tree,
     save_safe,
     world_size,
     write_json,
@@ -399,12 +400,7 @@ def _rotate(target_root: Path, tag: str, keep_last: int, backend: Backend) -> No
             path = target_root / name
             if path.is_symlink() or not path.is_dir():
                 continue  # a link or a file is none of ours (and a missing companion is fine)
-            problems: list[str] = []
-
-            def note(_function: Any, failed: str, info: Any, found: list[str] = problems) -> None:
-                found.append(f"{failed}: {info[1]}")
-
-            shutil.rmtree(path, onerror=note)
+            problems = remove_tree(path)
             if problems:
                 warnings.warn(
                     f"ds_engine: saved {str(target_root / tag)!r}, but could not fully remove the older "

@@ -314,7 +314,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
 
     def _watch(self, call: str) -> contextlib.AbstractContextManager[None]:
         """Mark `call` for the hang watchdog (`hang_timeout_s`)."""
-        dog = watchdog.for_process(self.config.hang_timeout_s) if process_group.is_initialized() else None
+        dog = watchdog.for_process(self.config.hang_timeout_s)  # None without a group of several
         return dog.watch(call, self.step.num_optimizer_steps) if dog is not None else contextlib.nullcontext()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -631,7 +631,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self.in_backward = True
         try:
             with context, self._watch("backward"):
-                scale = window_scale(num_items, self.step.window_len, self.num_processes, self._caller)
+                world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
+                scale = window_scale(num_items, self.step.window_len, world, self._caller)
                 self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
         finally:
             self.in_backward = False

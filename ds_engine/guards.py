@@ -316,10 +316,11 @@ def refuse_creation_in_main_process_first(caller: str) -> None:
     )
 
 
-def window_scale(num_items: Any, window_len: int, world: int, caller: str) -> float:
+def window_scale(num_items: Any, window_len: int, world: Callable[[], int], caller: str) -> float:
     """What `backward` multiplies the loss by: ``1 / window_len`` (the window mean of mean
-    losses), or ``world / num_items`` for a loss summed over items when `num_items` counts the
-    items of the whole window on all ranks (the reduction averages over ranks).
+    losses), or ``world() / num_items`` for a loss summed over items when `num_items` counts the
+    items of the whole window on all ranks (the reduction averages over ranks). `world` is
+    asked only then: the common case does no process-group work per micro-step.
 
     Raises:
         ValueError: `num_items` is not one positive finite number.
@@ -343,4 +344,4 @@ def window_scale(num_items: Any, window_len: int, world: int, caller: str) -> fl
             f"`num_items = {caller}.reduce(torch.tensor(tokens_in_window), 'sum')`; skip a window "
             "without items (its token mean is undefined)."
         )
-    return world / float(value)
+    return world() / float(value)

@@ -429,7 +429,7 @@ class Accelerator(Engine):
         if any(e.optimizer is not None for e in self._extra_engines):
             check_windows(self._loaders_seen[:1], self.gradient_accumulation_steps)  # the training loader
 
-    def _trained_extras(self) -> list[tuple[int, Engine]]:
+    def _extras(self) -> list[tuple[int, Engine]]:
         """(accelerate's model index, Engine) of every model trained beside the first."""
         return [(self._model_index[id(e)], e) for e in self._extra_engines if e.optimizer is not None]
 
@@ -609,14 +609,14 @@ class Accelerator(Engine):
         an OSError on every rank naming the rank, the file and the cause) deletes nothing and
         leaves no ``checkpoint_<iteration>`` behind. Returns the folder.
         """
-        return state_folders.save_state(self, output_dir, kwargs, self._trained_extras())
+        return state_folders.save_state(self, output_dir, kwargs, self._extras(), self._custom_objects)
 
     def load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: Any = None, **kwargs: Any
     ) -> None:
         """Restore a `save_state` folder (under automatic naming the newest `checkpoint_<i>` that holds
         a complete saved state), every trained model's. Collective."""
-        state_folders.load_state(self, input_dir, load_kwargs, kwargs, self._trained_extras())
+        state_folders.load_state(self, input_dir, load_kwargs, kwargs, self._extras(), self._custom_objects)
 
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop every prepared object (and the DeepSpeed engine) so `prepare` can start afresh."""

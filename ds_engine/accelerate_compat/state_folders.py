@@ -17,6 +17,7 @@ from typing import Any
 
 from accelerate.utils import ProjectConfiguration
 
+from ds_engine._io import remove_tree
 from ds_engine.autosave import newest_complete_folder
 from ds_engine.checkpoint import has_complete_tag
 
@@ -112,12 +113,7 @@ def rotate_states(base: Path, *, keep: int, newest: Path) -> None:
     for old in complete_states(base)[: -max(keep, 1)]:
         if old == newest:
             continue
-        problems: list[str] = []
-
-        def note(_function: Any, failed: str, info: Any, found: list[str] = problems) -> None:
-            found.append(f"{failed}: {info[1]}")
-
-        shutil.rmtree(old, onerror=note)
+        problems = remove_tree(old)
         if problems:
             warnings.warn(
                 f"ds_engine: saved {str(newest)!r}, but could not fully remove {str(old)!r} "
@@ -132,9 +128,15 @@ def extra_folder(target: Path, index: int) -> Path:
     return target / f"model_{index}"
 
 
-def save_state(acc: Any, output_dir: Any, kwargs: dict[str, Any], extras: list[tuple[int, Any]]) -> str:
+def save_state(
+    acc: Any,
+    output_dir: Any,
+    kwargs: dict[str, Any],
+    extras: list[tuple[int, Any]],
+    custom_objects: list[Any],
+) -> str:
     """`Accelerator.save_state` (see there); `extras`: (model index, Engine) of every model trained
-    beside the Accelerator's own."""
+    beside the Accelerator's own; `custom_objects`: what `register_for_checkpointing` got."""
     acc.step.refuse_if_ended("accelerator.save_state(...)")
     if kwargs:
         raise TypeError(f"save_state got {sorted(kwargs)}; ds_engine's checkpoints take no extra arguments.")
@@ -146,7 +148,7 @@ def save_state(acc: Any, output_dir: Any, kwargs: dict[str, Any], extras: list[t
         raise ValueError("save_state() needs an output_dir unless automatic_checkpoint_naming is on.")
     else:
         target = Path(output_dir).expanduser()
-    client = {CUSTOM_KEY: [obj.state_dict() for obj in acc._custom_objects]}
+    client = {CUSTOM_KEY: [obj.state_dict() for obj in custom_objects]}
     existed = target.exists()
     try:
         for index, engine in extras:
@@ -165,9 +167,14 @@ def save_state(acc: Any, output_dir: Any, kwargs: dict[str, Any], extras: list[t
 
 
 def load_state(
-    acc: Any, input_dir: Any, load_kwargs: Any, kwargs: dict[str, Any], extras: list[tuple[int, Any]]
+    acc: Any,
+    input_dir: Any,
+    load_kwargs: Any,
+    kwargs: dict[str, Any],
+    extras: list[tuple[int, Any]],
+    custom_objects: list[Any],
 ) -> None:
-    """`Accelerator.load_state` (see there); `extras` as for `save_state`."""
+    """`Accelerator.load_state` (see there); `extras` and `custom_objects` as for `save_state`."""
     acc.step.refuse_if_ended("accelerator.load_state(...)")
     if kwargs or load_kwargs:
         raise TypeError("load_state takes no extra arguments in ds_engine.")
@@ -197,12 +204,12 @@ def load_state(
         engine.load_checkpoint(extra_folder(source, index), tag=STATE_TAG)
     client = acc.load_checkpoint(source, tag=STATE_TAG)  # last: its RNG state is the one kept
     saved = list(client.get(CUSTOM_KEY, []))
-    if len(saved) != len(acc._custom_objects):
+    if len(saved) != len(custom_objects):
         raise ValueError(
-            f"{source} holds {len(saved)} registered objects, {len(acc._custom_objects)} are "
+            f"{source} holds {len(saved)} registered objects, {len(custom_objects)} are "
             "registered. HINT: register_for_checkpointing the same objects as the run that saved it."
         )
-    for obj, state in zip(acc._custom_objects, saved):
+    for obj, state in zip(custom_objects, saved):
         obj.load_state_dict(state)
     if pc.automatic_checkpoint_naming:
         iteration = iteration_after(source)

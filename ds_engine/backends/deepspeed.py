@@ -74,6 +74,7 @@ class DeepSpeedBackend(Backend):
         self._ds_config: dict[str, Any] | None = None
         self._coalesce: contextlib.ExitStack | None = None
         self._unmanaged = False  # DeepSpeed's managed_gradient_accumulation=false: step() is the boundary
+        self._norm_params: tuple[Any, list[torch.nn.Parameter]] | None = None  # (module, its parameters)
 
     # -------------------------------------------------------------- process group
     def setup_distributed(self) -> None:
@@ -392,7 +393,7 @@ class DeepSpeedBackend(Backend):
         own_norm = None
         low_precision = engine.fp16_enabled() or engine.bfloat16_enabled()
         if engine.zero_optimization_stage() == 0 and not low_precision and not self._unmanaged:
-            own_norm = _local_grad_norm(engine.module)  # gradients are all-reduced: the global norm
+            own_norm = _local_grad_norm(self._parameters_of(engine.module))  # all-reduced: the global norm
             if self.effective.skip_nonfinite_steps and not math.isfinite(own_norm):
                 # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip the step ourselves
                 # (every rank sees the same all-reduced gradients, so all ranks agree).
@@ -411,6 +412,13 @@ class DeepSpeedBackend(Backend):
             grad_norm=None if norm is None else float(norm),
             loss_scale=None if loss_scale is None else float(loss_scale),
         )
+
+    def _parameters_of(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """`module`'s parameters, listed once (walking the module tree each step costs more than
+        the norm of a small model's gradients); DeepSpeed's engine fixes them at `initialize`."""
+        if self._norm_params is None or self._norm_params[0] is not module:
+            self._norm_params = (module, list(module.parameters()))
+        return self._norm_params[1]
 
     def zero_grad(self) -> None:
         # DeepSpeed clears gradients inside `step()`; a second clear would be a no-op at best.
@@ -497,14 +505,15 @@ def _mode_calls_return_the_model(engine: Any) -> None:
     engine.__dict__["eval"] = types.MethodType(to_eval, engine)
 
 
-def _local_grad_norm(module: torch.nn.Module) -> float:
-    """The 2-norm of every gradient of `module` (fp32 ZeRO-0: all-reduced, so the global norm)."""
-    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
+def _local_grad_norm(parameters: list[torch.nn.Parameter]) -> float:
+    """The 2-norm of every gradient of `parameters` (fp32 ZeRO-0: all-reduced, so the global norm)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
     # one fused kernel per dtype/device group, as torch.nn.utils.clip_grad_norm_ does
-    norms = torch._foreach_norm(grads, 2.0)
-    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).item())
+    with torch.no_grad():
+        norms = torch._foreach_norm(grads, 2.0)
+        return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).item())
 
 
 @contextlib.contextmanager

@@ -127,7 +127,7 @@ ACCELERATE_COMPAT = {
     "compat": set(),
     "constructor": set(),
     "trackers": {"tracking"},
-    "state_folders": {"autosave", "checkpoint"},
+    "state_folders": {"_io", "autosave", "checkpoint"},
     "views": {"engine"},
     "accelerator": {"engine", "dataloader", "scheduler", "collectives", "config", "autosave"},
 }

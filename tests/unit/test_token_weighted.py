@@ -92,11 +92,11 @@ def test_windows_needs_a_prepared_loader() -> None:
 
 
 def test_num_items_scales_by_ranks_over_items() -> None:
-    assert window_scale(None, 4, 2, "engine") == 0.25
-    assert window_scale(10, 4, 2, "engine") == 0.2
-    assert window_scale(torch.tensor(8.0), 1, 4, "engine") == 0.5
+    assert window_scale(None, 4, lambda: 2, "engine") == 0.25
+    assert window_scale(10, 4, lambda: 2, "engine") == 0.2
+    assert window_scale(torch.tensor(8.0), 1, lambda: 4, "engine") == 0.5
     for bad in (0, -3, float("nan"), float("inf"), True, "12", torch.tensor([1.0, 2.0])):
         with pytest.raises(
             ValueError, match=r"`engine\.backward\(loss, num_items=.*must be one positive number.*HINT"
         ):
-            window_scale(bad, 2, 2, "engine")
+            window_scale(bad, 2, lambda: 2, "engine")
