@@ -1,0 +1,93 @@
+"""`loss.backward()` on a prepared model's outputs stops before any parameter gets a gradient.
+
+The guard hooks the outputs of every forward; an output whose graph reaches another output
+without passing a parameter (a Hugging Face loss computed from the logits) shares that
+output's hook. Every output a backward can start from must still be caught, and caught early.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ds_engine import Engine
+from ds_engine.collectives import iter_tensors
+from ds_engine.guards import _uncovered
+
+DIRECT = r"`loss.backward\(\)` was called on the output of a model prepared by ds_engine"
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk, two heads, a loss from the first head, and the trunk's features returned too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 8)
+        self.head_a = torch.nn.Linear(8, 2)
+        self.head_b = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = torch.tanh(self.trunk(x))
+        a, b = self.head_a(features), self.head_b(features)
+        return {"loss": a.pow(2).mean(), "a": a, "b": b, "features": features}
+
+
+def _prepared(model: torch.nn.Module) -> tuple[Engine, torch.nn.Module]:
+    engine = Engine(backend="accelerate")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = engine.prepare(model, optimizer)
+    return engine, model
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        lambda out: out["loss"],
+        lambda out: out["a"].sum(),
+        lambda out: out["b"].sum(),
+        lambda out: out["features"].sum(),
+        lambda out: out["loss"] + out["b"].mean(),
+    ],
+    ids=["loss", "head_a", "head_b", "features", "loss_and_head_b"],
+)
+def test_every_output_is_caught_before_any_parameter_gets_a_gradient(start) -> None:
+    engine, model = _prepared(TwoHeads())
+    out = model(torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match=DIRECT):
+        start(out).backward()
+    assert all(p.grad is None for p in engine.unwrap_model(model).parameters())
+
+
+def test_a_hugging_face_loss_shares_its_logits_hook_and_is_still_caught() -> None:
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=8))
+    ids = torch.randint(0, 64, (2, 8))
+    out = gpt2(input_ids=ids, labels=ids)
+    tensors = [t for t in iter_tensors(out) if t.requires_grad]
+    assert [t is out.logits for t in _uncovered(tensors)] == [True]  # one hook, on the logits
+
+    engine, model = _prepared(gpt2)
+    for start in (lambda o: o.loss, lambda o: torch.nn.functional.log_softmax(o.logits, -1).mean()):
+        with pytest.raises(RuntimeError, match=DIRECT):
+            start(model(input_ids=ids, labels=ids)).backward()
+        assert all(p.grad is None for p in engine.unwrap_model(model).parameters())
+
+
+def test_outputs_separated_by_a_parameter_keep_their_own_hooks() -> None:
+    out = TwoHeads()(torch.ones(2, 4))
+    tensors = [t for t in iter_tensors(out) if t.requires_grad]
+    kept = _uncovered(tensors)
+    # the loss is computed from head a without a parameter between: covered by a's hook
+    assert [id(t) for t in kept] == [id(out["a"]), id(out["b"]), id(out["features"])]
+
+
+def test_engine_backward_still_trains_through_the_shared_hook() -> None:
+    engine, model = _prepared(TwoHeads())
+    before = [p.detach().clone() for p in engine.unwrap_model(model).parameters()]
+    with engine.accumulate(model):
+        engine.backward(model(torch.ones(2, 4))["loss"])
+        engine.optimizer.step()
+    after = list(engine.unwrap_model(model).parameters())
+    assert any(not torch.equal(b, a) for b, a in zip(before, after))
