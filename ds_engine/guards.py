@@ -88,17 +88,32 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
                 "across ranks). HINT: call `engine.backward(loss)` instead."
             )
 
+    # Which outputs need a hook of their own, per output signature (each output's autograd node
+    # type and index): a model's forward builds the same graph shape step after step, and the
+    # walk in `_uncovered` costs more than the hooks it saves if repeated at every forward.
+    needs_hook: dict[tuple[tuple[type, int], ...], tuple[int, ...]] = {}
+
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            tensors = [t for t in iter_tensors(output) if t.requires_grad]
-            for tensor in _uncovered(tensors) if len(tensors) > 1 else tensors:
-                tensor.register_hook(check)
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in iter_tensors(output) if t.requires_grad]
+        if len(tensors) > 1:
+            signature = tuple((type(t.grad_fn), t.output_nr) for t in tensors)
+            keep = needs_hook.get(signature)
+            if keep is None:
+                keep = _uncovered(tensors)
+                if len(needs_hook) < 32:
+                    needs_hook[signature] = keep
+            tensors = [tensors[i] for i in keep]
+        for tensor in tensors:
+            tensor.register_hook(check)
 
     module.register_forward_hook(hook)
 
 
-def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> list[torch.Tensor]:
-    """The outputs whose backward would not pass another output's hook before any parameter's.
+def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> tuple[int, ...]:
+    """The indices of the outputs whose backward would not pass another output's hook before
+    any parameter's.
 
     A Hugging Face model returns its loss computed from its logits: a backward from the loss
     passes the logits before it reaches any parameter, so the logits' hook stops it just as
@@ -108,7 +123,7 @@ def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> list[torch.Tenso
     the graph (node and output index); every other output keeps its own hook.
     """
     places = {(t.grad_fn, t.output_nr): i for i, t in enumerate(tensors) if t.grad_fn is not None}
-    keep = []
+    keep: list[int] = []
     for i, tensor in enumerate(tensors):
         covered = False
         frontier = [tensor.grad_fn] if tensor.grad_fn is not None else []
@@ -126,8 +141,8 @@ def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> list[torch.Tenso
                     break
                 frontier.append(parent)
         if not covered:
-            keep.append(tensor)
-    return keep
+            keep.append(i)
+    return tuple(keep)
 
 
 def check_optimizer_parameters(
