@@ -27,9 +27,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # each test: 1-2 minut
 EXAMPLES = ROOT / "scripts" / "examples"
 EXAMPLE = EXAMPLES / "ray_train_loop.py"
 STEPS = 16  # 64 samples, 2 workers x micro-batch 2 x GA 2 per step, 2 epochs
+# Ray's part (forming the group, reporting a checkpoint folder, handing it back) does not depend
+# on the stage: the fallback and ZeRO-3 (the partitioned checkpoint) cover it; ZeRO-2's
+# checkpoints are exercised by the torchrun resume tests.
 BACKENDS = {
     "fallback": {"backend": "accelerate", "zero_stage": 0},
-    "zero2": {"backend": "deepspeed", "zero_stage": 2},
     "zero3": {"backend": "deepspeed", "zero_stage": 3},
 }
 
