@@ -39,6 +39,7 @@ from ds_engine.sharding import (
     UNKNOWN_LENGTH,
     BatchSamplerShard,
     ShardedBatchSampler,
+    ShardPosition,
     StreamWindows,
     shard_stream,
 )
@@ -147,7 +148,7 @@ class _FirstIndex(Sampler[int]):
         return (batch[0] for batch in self.batches)
 
 
-class StreamShard:
+class StreamShard(ShardPosition):
     """A stream's sharding settings and position (what `batch_sampler` is for map-style data).
 
     Its length, per rank, exists only when the dataset has one (`len(dataset)` items).
@@ -156,14 +157,9 @@ class StreamShard:
     def __init__(
         self, dataset: Any, batch_size: int, *, num_replicas: int, rank: int, drop_last: bool
     ) -> None:
+        super().__init__(num_replicas=num_replicas, rank=rank, drop_last=drop_last)
         self.dataset = dataset
         self.batch_size = batch_size
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.drop_last = drop_last
-        self.seed = 0
-        self.epoch = 0
-        self.skip_batches = 0
 
     def __len__(self) -> int:
         try:

@@ -35,6 +35,7 @@ from torch.utils.data import Sampler
 __all__ = [
     "UNKNOWN_LENGTH",
     "BatchSamplerShard",
+    "ShardPosition",
     "ShardedBatchSampler",
     "StreamWindows",
     "epoch_permutation",
@@ -69,7 +70,21 @@ def epoch_permutation(
     return order.tolist()
 
 
-class ShardedBatchSampler(Sampler[list[int]]):
+class ShardPosition:
+    """Where this rank stands in a sharded order: which rank of how many, the epoch and the seed
+    its order is drawn from, the batches to skip at the epoch's start (a resume), and whether an
+    incomplete last round is dropped. The prepared loader moves it (`set_epoch`, resume)."""
+
+    def __init__(self, *, num_replicas: int, rank: int, drop_last: bool, seed: int = 0) -> None:
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.seed = seed
+        self.epoch = 0
+        self.skip_batches = 0
+
+
+class ShardedBatchSampler(Sampler[list[int]], ShardPosition):
     """Yields this rank's batches: slice `rank` of every global batch, padded at the end."""
 
     def __init__(
@@ -86,21 +101,16 @@ class ShardedBatchSampler(Sampler[list[int]]):
         shuffle_state: torch.Tensor | None = None,
         loader_draws_from_it: bool = False,
     ) -> None:
+        ShardPosition.__init__(self, num_replicas=num_replicas, rank=rank, drop_last=drop_last, seed=seed)
         self.num_samples = num_samples
         self.batch_size = batch_size
-        self.num_replicas = num_replicas
-        self.rank = rank
         self.shuffle = shuffle
-        self.seed = seed
         self.shuffle_state = shuffle_state
         """The sampler's generator state at `prepare`, whose draws give each epoch's order (None:
         a generator seeded `seed + epoch`)."""
         self.loader_draws_from_it = loader_draws_from_it
         """The DataLoader shares the sampler's generator: it draws its base seed from it first."""
-        self.drop_last = drop_last
         self.index_sampler = index_sampler  # a custom user sampler, used as is
-        self.epoch = 0
-        self.skip_batches = 0
 
     def _order(self) -> list[int]:
         if self.index_sampler is not None:
@@ -137,7 +147,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return max(0, min(global_batch, self.num_samples - batch * global_batch))
 
 
-class BatchSamplerShard(Sampler[list[int]]):
+class BatchSamplerShard(Sampler[list[int]], ShardPosition):
     """Whole batches of a user's batch sampler to the ranks round robin.
 
     Global batch ``b`` is the user's batches ``b * num_replicas ... b * num_replicas + W - 1``;
@@ -157,13 +167,8 @@ class BatchSamplerShard(Sampler[list[int]]):
     def __init__(
         self, batch_sampler: Iterable[Any], *, num_replicas: int, rank: int, drop_last: bool
     ) -> None:
+        ShardPosition.__init__(self, num_replicas=num_replicas, rank=rank, drop_last=drop_last)
         self.batch_sampler = batch_sampler
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.drop_last = drop_last
-        self.seed = 0
-        self.epoch = 0
-        self.skip_batches = 0
         self._batches: tuple[int, list[list[int]]] | None = None
 
     def epoch_batches(self, *, fresh: bool = False) -> list[list[int]]:
