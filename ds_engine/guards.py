@@ -88,9 +88,12 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
                 "across ranks). HINT: call `engine.backward(loss)` instead."
             )
 
-    # Which outputs need a hook of their own, per output signature (each output's autograd node
-    # type and index): a model's forward builds the same graph shape step after step, and the
-    # walk in `_uncovered` costs more than the hooks it saves if repeated at every forward.
+    # Which outputs needed a hook of their own, per output signature (each output's autograd
+    # node type and index): their walk in `_uncovered` goes the whole depth and costs more than
+    # the hook it would save, so they are hooked again without one (an extra hook is always
+    # safe). An output found covered is walked again at every forward (the walk stops where it
+    # meets the other output, a few nodes up), so it goes without a hook only when the graph at
+    # hand shows it is covered.
     needs_hook: dict[tuple[tuple[type, int], ...], tuple[int, ...]] = {}
 
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -99,11 +102,9 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
         if len(tensors) > 1:
             signature = tuple((type(t.grad_fn), t.output_nr) for t in tensors)
-            keep = needs_hook.get(signature)
-            if keep is None:
-                keep = _uncovered(tensors)
-                if len(needs_hook) < 32:
-                    needs_hook[signature] = keep
+            keep = _uncovered(tensors, hooked=needs_hook.get(signature, ()))
+            if signature in needs_hook or len(needs_hook) < 32:
+                needs_hook[signature] = keep
             tensors = [tensors[i] for i in keep]
         for tensor in tensors:
             tensor.register_hook(check)
@@ -111,9 +112,9 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
     module.register_forward_hook(hook)
 
 
-def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> tuple[int, ...]:
+def _uncovered(tensors: list[torch.Tensor], depth: int = 12, hooked: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The indices of the outputs whose backward would not pass another output's hook before
-    any parameter's.
+    any parameter's, `hooked` (outputs to hook without a walk) among them.
 
     A Hugging Face model returns its loss computed from its logits: a backward from the loss
     passes the logits before it reaches any parameter, so the logits' hook stops it just as
@@ -125,6 +126,9 @@ def _uncovered(tensors: list[torch.Tensor], depth: int = 12) -> tuple[int, ...]:
     places = {(t.grad_fn, t.output_nr): i for i, t in enumerate(tensors) if t.grad_fn is not None}
     keep: list[int] = []
     for i, tensor in enumerate(tensors):
+        if i in hooked:
+            keep.append(i)
+            continue
         covered = False
         frontier = [tensor.grad_fn] if tensor.grad_fn is not None else []
         seen = 0

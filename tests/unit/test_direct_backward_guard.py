@@ -91,3 +91,32 @@ def test_engine_backward_still_trains_through_the_shared_hook() -> None:
         engine.optimizer.step()
     after = list(engine.unwrap_model(model).parameters())
     assert any(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+class Switching(torch.nn.Module):
+    """The same outputs, of the same autograd node types, wired two ways: `b` computed from `a`
+    (no parameter between: covered by `a`'s hook) or from a head of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head_a = torch.nn.Linear(4, 2)
+        self.head_b = torch.nn.Linear(4, 2)
+        self.b_from_a = True
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        a = self.head_a(x)
+        return {"a": a, "b": (a if self.b_from_a else self.head_b(x)) * 2}
+
+
+def test_an_output_covered_in_one_forward_is_caught_when_the_next_wires_it_otherwise() -> None:
+    engine, model = _prepared(Switching())
+    inner = engine.unwrap_model(model)
+    first = model(torch.ones(2, 4))  # `b` covered by `a`: the signature's decision is remembered
+    tensors = [t for t in iter_tensors(first) if t.requires_grad]
+    assert _uncovered(tensors) == (0,)
+    inner.b_from_a = False  # same output signature, but `b` now reaches a parameter first
+    second = model(torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match=DIRECT):
+        second["b"].sum().backward()
+    assert all(p.grad is None for p in inner.parameters())
