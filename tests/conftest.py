@@ -72,6 +72,7 @@ DSFREE_DISTRIBUTED = (
     "tests/distributed/test_generate.py::test_fallback_",
     "tests/distributed/test_hangs.py::test_a_hang_is_named_within_the_timeout[fallback-",
     "tests/distributed/test_launch.py::",
+    "tests/distributed/test_launcher_forks.py::",
     "tests/distributed/test_multi_model.py::test_fallback_",
     "tests/distributed/test_nonfinite_policy.py::test_fallback_",
     "tests/distributed/test_ray_train.py::test_ray_workers_train_what_torchrun_ranks_train[fallback]",

@@ -1,4 +1,7 @@
-"""Run a worker script on N real CPU processes (torchrun, gloo) and collect per-rank results.
+"""Run a worker script on N real CPU processes (gloo) and collect per-rank results.
+
+The ranks are forked from a warm fork server (`zygote.py`, see `launch_ranks`) or launched with
+torchrun where the launch itself is under test.
 
 Each worker writes `rank{R}.json` into the directory passed as `--out`; `run_workers` returns
 those dicts in rank order. A hard timeout kills the whole process group.
@@ -10,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +28,8 @@ from typing import Any
 
 WORKERS = Path(__file__).parent / "workers"
 ROOT = Path(__file__).resolve().parents[2]
+#: accelerate's example loops, as their authors run them (ported copies go elsewhere).
+ACCELERATE_EXAMPLES = ROOT / "tests" / "accelerate_examples"
 
 
 def free_port() -> int:
@@ -192,7 +198,7 @@ def run_workers(
     out = Path(out_dir or tempfile.mkdtemp(prefix="ds_engine_test_"))
     out.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(WORKERS / script, "--out", str(out), *args, nproc=nproc)
-    result = run_command(cmd, timeout=timeout, env=worker_env(env))
+    result = launch_ranks(cmd, timeout=timeout, env=worker_env(env))
     if result.returncode != 0 and not _aborted_after_finishing(result.stdout, out, nproc):
         raise RuntimeError(
             f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}"
@@ -266,9 +272,167 @@ def launch_example(
     def written() -> bool:
         return bool(files) and all((out / f).exists() for f in files)
 
-    result = run_command(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
+    # plain accelerate's own runs (the references, never ported) start fresh: forked, their
+    # ranks sometimes hang at exit in a destructor after `end_training` (no ds_engine involved)
+    launch = run_command if script.is_relative_to(ACCELERATE_EXAMPLES) else launch_ranks
+    result = launch(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
     if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
         if result.stdout.endswith(EXIT_HANG) and written():
             warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
             return
         raise RuntimeError(f"{script.name} failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
+
+
+#: `DS_ENGINE_TEST_LAUNCHER=torchrun` launches every test's ranks with torchrun itself.
+LAUNCHER_ENV = "DS_ENGINE_TEST_LAUNCHER"
+#: Variables read when a process starts (the allocator's, the interpreter's): a launch that sets
+#: one of them gets fresh processes from torchrun, not forks.
+_START_TIME_VARIABLES = ("MALLOC_", "LD_", "PYTHON", "GLIBC_")
+
+
+def launch_ranks(
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str],
+    finished: Callable[[], bool] | None = None,
+    exit_grace: float = 90.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run a `torchrun_command` as `run_command` does, its ranks forked from the warm fork
+    server (`zygote.py`) unless `LAUNCHER_ENV` asks for torchrun or `env` sets a variable that
+    is read when a process starts. The output ends with torchrun's failure lines
+    (`exitcode : N` per failed rank) when a rank failed."""
+    base = worker_env()
+    changed = {k for k in {*env, *base} if env.get(k) != base.get(k)}
+    at_start = any(k.startswith(_START_TIME_VARIABLES) for k in changed)
+    if os.environ.get(LAUNCHER_ENV) == "torchrun" or at_start:
+        return run_command(cmd, timeout=timeout, env=env, finished=finished, exit_grace=exit_grace)
+    nproc = int(next(a for a in cmd if a.startswith("--nproc-per-node=")).split("=")[1])
+    at = next(i for i, a in enumerate(cmd) if a == "--max-restarts=0") + 1
+    options = {"timeout": timeout, "finished": finished, "exit_grace": exit_grace}
+    return _zygote().launch(cmd[at], cmd[at + 1 :], env=env, nproc=nproc, **options)
+
+
+class _Zygote:
+    """The pytest process's one fork server (started on first use, kept for the session)."""
+
+    def __init__(self) -> None:
+        from tests.distributed import zygote
+
+        self.mark = zygote.MARK
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(zygote.__file__))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=worker_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.answer(timeout=300)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def answer(self, timeout: float) -> dict[str, Any] | None:
+        """The next answer line, or None when none came within `timeout` seconds."""
+        import select
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the test fork server ended")
+            if line.startswith(self.mark):
+                return dict(json.loads(line[len(self.mark) :]))
+
+    def launch(
+        self,
+        script: str,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        nproc: int,
+        timeout: float,
+        finished: Callable[[], bool] | None,
+        exit_grace: float,
+    ) -> subprocess.CompletedProcess[str]:
+        import torch.distributed as dist
+
+        log = Path(tempfile.mkstemp(prefix="ds_engine_ranks_", suffix=".log")[1])
+        errors = Path(tempfile.mkdtemp(prefix="ds_engine_errors_"))
+        # As torchrun's agent does, this side holds the store, so that it outlives every rank
+        # (a rank 0 that held it and left first would keep the others waiting at their exit).
+        store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)
+        request = {
+            "script": script, "args": args, "env": env, "cwd": str(ROOT), "nproc": nproc, "log": str(log),
+            "master_addr": "127.0.0.1", "master_port": store.port, "error_dir": str(errors),
+        }  # fmt: skip
+        try:
+            return self._launch(request, timeout=timeout, finished=finished, exit_grace=exit_grace)
+        finally:
+            del store
+            log.unlink()
+            shutil.rmtree(errors, ignore_errors=True)
+
+    def _launch(
+        self,
+        request: dict[str, Any],
+        *,
+        timeout: float,
+        finished: Callable[[], bool] | None,
+        exit_grace: float,
+    ) -> subprocess.CompletedProcess[str]:
+        script, args, log, nproc = request["script"], request["args"], Path(request["log"]), request["nproc"]
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        forked = self.answer(timeout=60)
+        assert forked is not None, "the test fork server did not fork"
+        pids = list(forked["pids"])
+        deadline = time.monotonic() + timeout
+        done_at: float | None = None
+        hung = timed_out = False
+        while (ended := self.answer(timeout=0.2)) is None:
+            now = time.monotonic()
+            if done_at is None and finished is not None and finished():
+                done_at = now
+            hung = done_at is not None and now - done_at > exit_grace
+            timed_out = now > deadline
+            if hung or timed_out:
+                for pid in pids:
+                    _kill_tree(pid)
+                ended = self.answer(timeout=60)
+                break
+        codes = list(ended["codes"]) if ended else [-9] * nproc
+        out = log.read_text(errors="replace")
+        cmd = ["(forked)", script, *args]
+        if timed_out and not hung:
+            raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
+        failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+        out += "".join(f"\n  rank      : {rank}\n  exitcode  : {code}" for rank, code in failed)
+        if hung:
+            return subprocess.CompletedProcess(cmd, -9, out + "\n" + EXIT_HANG, None)
+        return subprocess.CompletedProcess(cmd, 1 if failed else 0, out, None)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            _kill_tree(self.proc.pid)
+            self.proc.wait(10)
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+def _zygote() -> _Zygote:
+    if not (_ZYGOTE and _ZYGOTE[0].alive()):
+        import atexit
+
+        _ZYGOTE[:] = [_Zygote()]
+        atexit.register(_ZYGOTE[0].close)
+    return _ZYGOTE[0]
