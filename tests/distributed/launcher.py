@@ -92,23 +92,19 @@ def run_command(
                 f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}"
             ) from None
         return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-    deadline = time.monotonic() + timeout
     chunks: list[str] = []
     reader = threading.Thread(
         target=lambda: chunks.append(proc.stdout.read() if proc.stdout else ""), daemon=True
     )
     reader.start()
-    done_at: float | None = None
-    hung = False
-    while reader.is_alive():  # until every process of the group closed the output
-        now = time.monotonic()
-        if done_at is None and finished():
-            done_at = now
-        hung = done_at is not None and now - done_at > exit_grace
-        if hung or now > deadline:
-            _kill_tree(proc.pid)
-            break
-        reader.join(0.2)
+
+    def ended(poll: float) -> bool:  # every process of the group closed the output
+        reader.join(poll)
+        return not reader.is_alive()
+
+    outcome = _watch(
+        ended, lambda: _kill_tree(proc.pid), timeout=timeout, finished=finished, exit_grace=exit_grace
+    )
     reader.join(_PIPE_CLOSE_S)
     proc.wait()
     out = (
@@ -116,11 +112,35 @@ def run_command(
         if not reader.is_alive()
         else f"(the output pipe stayed open {_PIPE_CLOSE_S:.0f} s after the kill)"
     )
-    if hung:
+    if outcome == "hung":
         return subprocess.CompletedProcess(cmd, -9, out + "\n" + EXIT_HANG, None)
-    if time.monotonic() > deadline and proc.returncode == -signal.SIGKILL:
+    if outcome == "timeout" and proc.returncode == -signal.SIGKILL:
         raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _watch(
+    ended: Callable[[float], bool],
+    kill: Callable[[], None],
+    *,
+    timeout: float,
+    finished: Callable[[], bool] | None,
+    exit_grace: float,
+) -> str:
+    """Wait until `ended(poll)` (which may wait up to `poll` seconds) holds: "" then. Past
+    `timeout`, or `exit_grace` seconds after `finished()` first held (results written, the
+    processes still there), call `kill()` and return "timeout" or "hung"."""
+    deadline = time.monotonic() + timeout
+    done_at: float | None = None
+    while not ended(0.2):
+        now = time.monotonic()
+        if done_at is None and finished is not None and finished():
+            done_at = now
+        outcome = "hung" if done_at is not None and now - done_at > exit_grace else "timeout"
+        if outcome == "hung" or now > deadline:
+            kill()
+            return outcome
+    return ""
 
 
 #: Seconds to wait for the output pipe to close once every process of a run was killed.
@@ -197,8 +217,9 @@ def run_workers(
     """Launch `workers/<script>` on `nproc` ranks and return each rank's JSON result."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="ds_engine_test_"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(WORKERS / script, "--out", str(out), *args, nproc=nproc)
-    result = launch_ranks(cmd, timeout=timeout, env=worker_env(env))
+    result = launch_ranks(
+        WORKERS / script, "--out", str(out), *args, nproc=nproc, timeout=timeout, env=worker_env(env)
+    )
     if result.returncode != 0 and not _aborted_after_finishing(result.stdout, out, nproc):
         raise RuntimeError(
             f"workers failed (exit {result.returncode}); output tail:\n{result.stdout[-8000:]}"
@@ -267,15 +288,17 @@ def launch_example(
     failed. With `files`, a run that wrote them all and then hung or aborted at exit (torch's
     gloo teardown race) is accepted with a warning."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(script, "--out", str(out), "--cpu", *args)
 
     def written() -> bool:
         return bool(files) and all((out / f).exists() for f in files)
 
     # plain accelerate's own runs (the references, never ported) start fresh: forked, their
     # ranks sometimes hang at exit in a destructor after `end_training` (no ds_engine involved)
-    launch = run_command if script.is_relative_to(ACCELERATE_EXAMPLES) else launch_ranks
-    result = launch(cmd, timeout=420, env=worker_env(env), finished=written if files else None)
+    fresh = script.is_relative_to(ACCELERATE_EXAMPLES)
+    result = launch_ranks(
+        script, "--out", str(out), "--cpu", *args,
+        timeout=420, env=worker_env(env), finished=written if files else None, torchrun=fresh,
+    )  # fmt: skip
     if result.returncode != 0 and not only_exit_abort(result.stdout, finished=written()):
         if result.stdout.endswith(EXIT_HANG) and written():
             warnings.warn(f"{script.name}: results written, then a rank hung at exit (killed)", stacklevel=2)
@@ -287,30 +310,30 @@ def launch_example(
 LAUNCHER_ENV = "DS_ENGINE_TEST_LAUNCHER"
 #: Variables read when a process starts (the allocator's, the interpreter's): a launch that sets
 #: one of them gets fresh processes from torchrun, not forks.
-_START_TIME_VARIABLES = ("MALLOC_", "LD_", "PYTHON", "GLIBC_")
+_START_TIME_VARIABLES = ("MALLOC_", "LD_", "PYTHON", "GLIBC_", "OMP_", "MKL_")
 
 
 def launch_ranks(
-    cmd: list[str],
-    *,
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
     timeout: float,
     env: dict[str, str],
     finished: Callable[[], bool] | None = None,
     exit_grace: float = 90.0,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a `torchrun_command` as `run_command` does, its ranks forked from the warm fork
-    server (`zygote.py`) unless `LAUNCHER_ENV` asks for torchrun or `env` sets a variable that
-    is read when a process starts. The output ends with torchrun's failure lines
-    (`exitcode : N` per failed rank) when a rank failed."""
+    """Run `script args` on `nproc` ranks as `run_command` runs its `torchrun_command`, the ranks
+    forked from the warm fork server (`zygote.py`) unless `torchrun`, `LAUNCHER_ENV`, or a
+    variable `env` sets that is read when a process starts asks for torchrun. A forked run's
+    output ends with torchrun's failure lines (`exitcode : N` per failed rank) when one failed."""
     base = worker_env()
     changed = {k for k in {*env, *base} if env.get(k) != base.get(k)}
-    at_start = any(k.startswith(_START_TIME_VARIABLES) for k in changed)
-    if os.environ.get(LAUNCHER_ENV) == "torchrun" or at_start:
-        return run_command(cmd, timeout=timeout, env=env, finished=finished, exit_grace=exit_grace)
-    nproc = int(next(a for a in cmd if a.startswith("--nproc-per-node=")).split("=")[1])
-    at = next(i for i, a in enumerate(cmd) if a == "--max-restarts=0") + 1
-    options = {"timeout": timeout, "finished": finished, "exit_grace": exit_grace}
-    return _zygote().launch(cmd[at], cmd[at + 1 :], env=env, nproc=nproc, **options)
+    torchrun = torchrun or any(k.startswith(_START_TIME_VARIABLES) for k in changed)
+    options: dict[str, Any] = {"timeout": timeout, "finished": finished, "exit_grace": exit_grace}
+    if torchrun or os.environ.get(LAUNCHER_ENV) == "torchrun":
+        return run_command(torchrun_command(script, *args, nproc=nproc), env=env, **options)
+    return _zygote().launch(str(script), list(args), env=env, nproc=nproc, **options)
 
 
 class _Zygote:
@@ -374,49 +397,36 @@ class _Zygote:
             "master_addr": "127.0.0.1", "master_port": store.port, "error_dir": str(errors),
         }  # fmt: skip
         try:
-            return self._launch(request, timeout=timeout, finished=finished, exit_grace=exit_grace)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            forked = self.answer(timeout=60)
+            assert forked is not None, "the test fork server did not fork"
+            codes: list[int] = [-9] * nproc  # unless the server says how each rank ended
+
+            def ended(poll: float) -> bool:
+                answer = self.answer(timeout=poll)
+                if answer is not None:
+                    codes[:] = answer["codes"]
+                return answer is not None
+
+            def kill() -> None:
+                for pid in forked["pids"]:
+                    _kill_tree(pid)
+                ended(60)
+
+            outcome = _watch(ended, kill, timeout=timeout, finished=finished, exit_grace=exit_grace)
+            out = log.read_text(errors="replace")
         finally:
             del store
             log.unlink()
             shutil.rmtree(errors, ignore_errors=True)
-
-    def _launch(
-        self,
-        request: dict[str, Any],
-        *,
-        timeout: float,
-        finished: Callable[[], bool] | None,
-        exit_grace: float,
-    ) -> subprocess.CompletedProcess[str]:
-        script, args, log, nproc = request["script"], request["args"], Path(request["log"]), request["nproc"]
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        forked = self.answer(timeout=60)
-        assert forked is not None, "the test fork server did not fork"
-        pids = list(forked["pids"])
-        deadline = time.monotonic() + timeout
-        done_at: float | None = None
-        hung = timed_out = False
-        while (ended := self.answer(timeout=0.2)) is None:
-            now = time.monotonic()
-            if done_at is None and finished is not None and finished():
-                done_at = now
-            hung = done_at is not None and now - done_at > exit_grace
-            timed_out = now > deadline
-            if hung or timed_out:
-                for pid in pids:
-                    _kill_tree(pid)
-                ended = self.answer(timeout=60)
-                break
-        codes = list(ended["codes"]) if ended else [-9] * nproc
-        out = log.read_text(errors="replace")
         cmd = ["(forked)", script, *args]
-        if timed_out and not hung:
+        if outcome == "timeout":
             raise TimeoutError(f"{' '.join(cmd)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
         failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
         out += "".join(f"\n  rank      : {rank}\n  exitcode  : {code}" for rank, code in failed)
-        if hung:
+        if outcome == "hung":
             return subprocess.CompletedProcess(cmd, -9, out + "\n" + EXIT_HANG, None)
         return subprocess.CompletedProcess(cmd, 1 if failed else 0, out, None)
 

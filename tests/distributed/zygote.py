@@ -8,9 +8,10 @@ gives (restarts, signals to the launcher, an allocator set before the process st
 launched with torchrun; see `launcher.launch_ranks`.
 
 Protocol, one JSON line each way: the request `{"script", "args", "env", "cwd", "nproc",
-"log"}`; the answer `{"pids": [...]}` once the ranks are forked, then `{"codes": [...]}` when
-they have all ended (torchrun's convention: a negative code is the signal that ended a rank;
-when one rank fails the others are sent SIGTERM and, 30 s later, SIGKILL).
+"log", "master_addr", "master_port", "error_dir"}`; the answer `{"pids": [...]}` once the
+ranks are forked, then `{"codes": [...]}` when they have all ended (torchrun's convention: a
+negative code is the signal that ended a rank; when one rank fails the others are sent SIGTERM
+and, 30 s later, SIGKILL).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ TORCHRUN_ENV = {
     "TORCHELASTIC_MAX_RESTARTS": "0",
     "TORCHELASTIC_RUN_ID": "none",
     "TORCHELASTIC_USE_AGENT_STORE": "True",
-    "OMP_NUM_THREADS": "1",
 }
 STOP_GRACE_S = 30.0
 #: Starts each answer line (anything an import prints on stdout is skipped by the reader).
