@@ -1,10 +1,10 @@
 """The Engine's training loop under Ray Train (`scripts/examples/ray_train_loop.py`) on a real local
-Ray cluster: 2 `TorchTrainer` workers train step for step what 2 torchrun ranks train, and a run
-stopped after a checkpoint and started again (same run name and storage) resumes through
-`ray.train.get_checkpoint()` to the same end, exactly.
+Ray cluster: a run of 2 `TorchTrainer` workers, stopped after a checkpoint and started again
+(same run name and storage), trains step for step what 2 torchrun ranks train without a stop,
+and ends with the same weights.
 
 One Ray cluster serves the whole module (`num_cpus=2`, no dashboard): starting it costs a few
-seconds, each `fit` 30-40 s on 2 shared cores.
+seconds, each `fit` 20-30 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -95,69 +95,47 @@ def _fit(example: Any, backend: str, out: Path, storage: Path, name: str, **conf
     )
 
 
-_RAY_RUNS: dict[str, Path] = {}
-
-
-@pytest.fixture
-def uninterrupted(example: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    def get(backend: str) -> Path:
-        if backend not in _RAY_RUNS:
-            root = tmp_path_factory.mktemp(f"ray_{backend}")
-            result = _fit(example, backend, root / "out", root / "storage", f"whole_{backend}")
-            assert result.error is None, result.error
-            assert result.metrics["step"] == STEPS
-            _RAY_RUNS[backend] = root / "out"
-        return _RAY_RUNS[backend]
-
-    return get
-
-
-@pytest.mark.parametrize("backend", PARAMS)
-def test_ray_workers_train_what_torchrun_ranks_train(
-    backend: str, uninterrupted: Any, tmp_path: Path
-) -> None:
+def _torchrun(backend: str, out: Path) -> None:
+    """The same loop on 2 torchrun ranks (`ds-engine launch ... --torchrun`), no Ray involved."""
     settings = BACKENDS[backend]
     cmd = [
         sys.executable, "-m", "ds_engine.cli", "launch", "--nproc-per-node", "2", str(EXAMPLE), "--torchrun",
         "--backend", str(settings["backend"]), "--zero-stage", str(settings["zero_stage"]),
-        "--out", str(tmp_path),
+        "--out", str(out),
     ]  # fmt: skip
-    result = run_command(
-        cmd, timeout=420, env=worker_env(), finished=lambda: (tmp_path / "weights.pt").exists()
-    )
+    result = run_command(cmd, timeout=420, env=worker_env(), finished=lambda: (out / "weights.pt").exists())
     assert result.returncode == 0, result.stdout[-4000:]
-    ray_out = uninterrupted(backend)
-    torchrun_losses, ray_losses = _losses(tmp_path), _losses(ray_out)
-    for rank in range(2):
-        assert sorted(ray_losses[rank]) == list(range(1, STEPS + 1))
-        assert ray_losses[rank].keys() == torchrun_losses[rank].keys()
-        worst = max(abs(ray_losses[rank][s] - torchrun_losses[rank][s]) for s in ray_losses[rank])
-        assert worst <= 1e-6, f"rank {rank}: losses differ by up to {worst}"
-    ray_weights = torch.load(ray_out / "weights.pt")
-    torchrun_weights = torch.load(tmp_path / "weights.pt")
-    assert ray_weights.keys() == torchrun_weights.keys()
-    for key, value in ray_weights.items():
-        torch.testing.assert_close(value, torchrun_weights[key], rtol=1e-6, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("backend", PARAMS)
-def test_a_run_resumed_through_rays_checkpoint_ends_exactly_like_an_uninterrupted_one(
-    backend: str, example: Any, uninterrupted: Any, tmp_path: Path
+def test_a_ray_run_stopped_and_resumed_trains_step_for_step_what_torchrun_ranks_train(
+    backend: str, example: Any, tmp_path: Path
 ) -> None:
+    """One comparison covers both promises: Ray's workers train what torchrun's ranks train, and
+    a run stopped after a checkpoint and started again (same name and storage) resumes through
+    `ray.train.get_checkpoint()` to the end an uninterrupted run reaches, exactly."""
+    _torchrun(backend, tmp_path / "torchrun")
+    expected = _losses(tmp_path / "torchrun")
     storage = tmp_path / "storage"
     first = _fit(example, backend, tmp_path / "first", storage, "resumed", stop_after=10)
     assert first.error is None, first.error
     assert first.checkpoint is not None and (Path(first.checkpoint.path) / "step_8").is_dir()
+    got = _losses(tmp_path / "first")
+    for rank in range(2):
+        assert sorted(got[rank]) == list(range(1, 11)), "the first run did not stop after step 10"
+        worst = max(abs(got[rank][s] - expected[rank][s]) for s in got[rank])
+        assert worst <= 1e-6, f"rank {rank}: Ray's losses differ from torchrun's by up to {worst}"
     # the same run name and storage: Ray hands the workers its newest checkpoint (step 8)
     second = _fit(example, backend, tmp_path / "second", storage, "resumed")
     assert second.error is None, second.error
     assert second.metrics["step"] == STEPS
-    whole = uninterrupted(backend)
-    expected = _losses(whole)
     got = _losses(tmp_path / "second")
     for rank in range(2):
         assert sorted(got[rank]) == list(range(9, STEPS + 1)), "the second run did not start after step 8"
-        assert got[rank] == {s: expected[rank][s] for s in got[rank]}, f"rank {rank}: losses differ"
-    weights, reference = torch.load(tmp_path / "second" / "weights.pt"), torch.load(whole / "weights.pt")
+        worst = max(abs(got[rank][s] - expected[rank][s]) for s in got[rank])
+        assert worst <= 1e-6, f"rank {rank}: the resumed run's losses differ from torchrun's by up to {worst}"
+    weights = torch.load(tmp_path / "second" / "weights.pt")
+    reference = torch.load(tmp_path / "torchrun" / "weights.pt")
     assert weights.keys() == reference.keys()
-    assert all(torch.equal(weights[k], reference[k]) for k in weights), "the final weights differ"
+    for key, value in weights.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-6, atol=1e-6, msg=key)
