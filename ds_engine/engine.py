@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -241,10 +242,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     @property
     def _caller(self) -> str:
         """What the user's script calls this object: "engine", or "accelerator" on the accelerate surface."""
-        for cls in type(self).__mro__:
-            if cls.__module__.startswith("ds_engine."):
-                return cls.__name__.lower()
-        return "engine"  # pragma: no cover - Engine itself is in ds_engine
+        return _caller_of(type(self))
 
     def _refuse_if_ended(self, call: str) -> None:
         """The one error for `<caller>.<call>` after `end_training` (every backend alike)."""
@@ -469,7 +467,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
                 model, optimizer, scheduler, facts=facts
             )
             self._model = wrapped
-            guard_direct_backward(self, self.unwrap_model(wrapped))
+            hooks = functools.partial(self._backend.check_in_output_hooks, wrapped)
+            guard_direct_backward(self, self.unwrap_model(wrapped), hooks)
             self._backend.guard_save_pretrained(self.unwrap_model(wrapped))
             prepared[id(model)] = wrapped
             if backend_optimizer is not None:
@@ -631,8 +630,11 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self.in_backward = True
         try:
             with context, self._watch("backward"):
-                world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
-                scale = window_scale(num_items, self.step.window_len, world, self._caller)
+                if num_items is None:  # the window mean of mean losses
+                    scale = 1.0 / self.step.window_len
+                else:
+                    world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
+                    scale = window_scale(num_items, self.step.window_len, world, self._caller)
                 self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
         finally:
             self.in_backward = False
@@ -690,6 +692,19 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     save_pretrained = watchdog.watched("save_pretrained", EngineSaving.save_pretrained)
     save_checkpoint = watchdog.watched("save_checkpoint", EngineSaving.save_checkpoint)
     load_checkpoint = watchdog.watched("load_checkpoint", EngineSaving.load_checkpoint)
+
+
+_CALLERS: dict[type, str] = {}
+
+
+def _caller_of(cls: type) -> str:
+    """The lower-cased name of the first ds_engine class in `cls`'s MRO (a user's subclass of
+    Engine is still called "engine" in messages); looked up once per class."""
+    name = _CALLERS.get(cls)
+    if name is None:
+        found = (base.__name__.lower() for base in cls.__mro__ if base.__module__.startswith("ds_engine."))
+        name = _CALLERS[cls] = next(found, "engine")
+    return name
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

@@ -36,18 +36,28 @@ __all__ = [
 ]
 
 
-def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
+def guard_direct_backward(
+    engine: Any,
+    module: torch.nn.Module,
+    wrapper_hooks: Callable[[Callable[[], None]], Callable[[], bool] | None] | None = None,
+) -> None:
     """Make `loss.backward()` on the prepared model's outputs stop with an error.
 
     A direct backward bypasses the Engine: no window scaling, no boundary, and DeepSpeed
     would divide by the configured GA (or refuse, on ZeRO-0) on its own. The forward hook
     sits on the user's module, inside DeepSpeed's / DDP's wrapper, so its gradient hooks
-    run before the wrapper's own and nothing is reduced or scaled before the error.
+    run before the wrapper's own and nothing is reduced or scaled before the error. Where
+    the wrapper hooks every output of its forward itself (DeepSpeed's engine), the check
+    runs first in the wrapper's hooks instead, and the module's hook only serves forwards
+    that bypass the wrapper (the unwrapped module called directly).
 
     Args:
         engine: The Engine that prepared `module` (held weakly); its `in_backward` and
             `optimizer` say whether a gradient reaching the output is its own.
         module: The user's module inside the prepared wrapper.
+        wrapper_hooks: Installs a check in the wrapper's own output hooks and returns
+            whether a forward through the wrapper is running now, or returns None where the
+            wrapper hooks nothing (`Backend.check_in_output_hooks`).
     """
 
     # The hook holds the Engine weakly: DeepSpeed's engine keeps the module alive through
@@ -55,7 +65,7 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
     # not stay alive through it (it would count as a user of the process group).
     engine_ref = weakref.ref(engine)
 
-    def check(grad: torch.Tensor) -> None:
+    def check(grad: torch.Tensor | None) -> None:
         self = engine_ref()
         if self is None or self.in_backward:
             return
@@ -88,6 +98,11 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
                 "across ranks). HINT: call `engine.backward(loss)` instead."
             )
 
+    def check_here() -> None:
+        check(None)
+
+    inside_wrapper = None if wrapper_hooks is None else wrapper_hooks(check_here)
+
     # Which outputs needed a hook of their own, per output signature (each output's autograd
     # node type and index): their walk in `_uncovered` goes the whole depth and costs more than
     # the hook it would save, so they are hooked again without one (an extra hook is always
@@ -97,8 +112,8 @@ def guard_direct_backward(engine: Any, module: torch.nn.Module) -> None:
     needs_hook: dict[tuple[tuple[type, int], ...], tuple[int, ...]] = {}
 
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
+        if not torch.is_grad_enabled() or (inside_wrapper is not None and inside_wrapper()):
+            return  # no graph, or the wrapper's own output hooks run `check`
         tensors = [t for t in iter_tensors(output) if t.requires_grad]
         if len(tensors) > 1:
             signature = tuple((type(t.grad_fn), t.output_nr) for t in tensors)

@@ -236,6 +236,18 @@ class Backend(abc.ABC):
 
         module.__dict__["save_pretrained"] = save_pretrained
 
+    def check_in_output_hooks(
+        self, model: torch.nn.Module, check: Callable[[], None]
+    ) -> Callable[[], bool] | None:
+        """Run `check()` in the prepared wrapper's own hooks on its forward's outputs, before
+        any gradient leaves them, where the wrapper has such hooks (DeepSpeed's engine does).
+
+        Returns a function that says whether a forward through the wrapper is running now (its
+        outputs get the wrapper's hooks, so the user's module needs no hook of its own), or
+        None where the wrapper hooks nothing (the default).
+        """
+        return None
+
     # -------------------------------------------------------------- model set-up
     def init_context(self) -> contextlib.AbstractContextManager[None]:
         """Context in which models are created (ZeRO-3 partitions them at creation)."""

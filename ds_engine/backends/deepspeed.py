@@ -9,7 +9,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -345,6 +345,14 @@ class DeepSpeedBackend(Backend):
             self._enter_coalesce()
         return contextlib.nullcontext()
 
+    def check_in_output_hooks(
+        self, model: torch.nn.Module, check: Callable[[], None]
+    ) -> Callable[[], bool] | None:
+        engine = getattr(self, "ds_engine", None)
+        if engine is None or model is not engine or not _hooks_every_output(engine):
+            return None
+        return _check_in_output_hooks(engine, check)
+
     def coalesce_supported(self) -> str:
         """'' when DeepSpeed can reduce once per step here, else why not."""
         engine = self.ds_engine
@@ -390,20 +398,29 @@ class DeepSpeedBackend(Backend):
             coalesce.close()  # one reduction pass for the whole window
         if not self._unmanaged:
             engine.set_gradient_accumulation_boundary(True)
-        own_norm = None
+        own_norm: float | None = None
+        clip_norm: Callable[[], float | None] | None = None
         low_precision = engine.fp16_enabled() or engine.bfloat16_enabled()
         if engine.zero_optimization_stage() == 0 and not low_precision and not self._unmanaged:
-            own_norm = _local_grad_norm(self._parameters_of(engine.module))  # all-reduced: the global norm
-            if self.effective.skip_nonfinite_steps and not math.isfinite(own_norm):
-                # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip the step ourselves
-                # (every rank sees the same all-reduced gradients, so all ranks agree).
+            # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip a non-finite step ourselves
+            # (every rank sees the same all-reduced gradients, so all ranks agree), and report
+            # the global norm, which DeepSpeed keeps to itself here.
+            parameters = self._parameters_of(engine.module)
+            clip_norm = _clip_norm_kept(engine)
+            if clip_norm is None:
+                own_norm = _local_grad_norm(parameters)  # all-reduced: the global norm
+                finite = math.isfinite(own_norm)
+            else:  # DeepSpeed computes the norm it clips by inside step(): only check here
+                finite = _all_finite(parameters)
+            if self.effective.skip_nonfinite_steps and not finite:
+                skipped_norm = own_norm if own_norm is not None else _local_grad_norm(parameters)
                 engine.zero_grad()
-                return StepOutcome(applied=False, grad_norm=own_norm, loss_scale=None)
+                return StepOutcome(applied=False, grad_norm=skipped_norm, loss_scale=None)
         engine.step()
         applied = bool(engine.was_step_applied())
         norm = engine.get_global_grad_norm()
         if norm is None:
-            norm = own_norm
+            norm = clip_norm() if clip_norm is not None else own_norm
         if isinstance(norm, torch.Tensor):
             norm = float(norm.item())
         loss_scale = engine._get_optimizer_loss_scale() if engine.fp16_enabled() else None
@@ -503,6 +520,120 @@ def _mode_calls_return_the_model(engine: Any) -> None:
 
     engine.__dict__["train"] = types.MethodType(train, engine)
     engine.__dict__["eval"] = types.MethodType(to_eval, engine)
+
+
+def _hooks_every_output(engine: Any) -> bool:
+    """Whether this DeepSpeed hooks every output of its engine's forward and calls
+    `_backward_prologue` (once) and `_backward_prologue_per_tensor` (per output) from those
+    hooks, before any gradient leaves the outputs (`register_output_backward_hooks`)."""
+    from deepspeed.runtime import utils
+
+    kind = type(engine)
+    return (
+        callable(getattr(utils, "register_output_backward_hooks", None))
+        and callable(getattr(kind, "_backward_prologue", None))
+        and callable(getattr(kind, "_backward_prologue_per_tensor", None))
+        and not {"forward", "_backward_prologue", "_backward_prologue_per_tensor"} & engine.__dict__.keys()
+    )
+
+
+def _check_in_output_hooks(engine: Any, check: Callable[[], None]) -> Callable[[], bool]:
+    """Run `check()` first in DeepSpeed's hooks on `engine`'s outputs (per instance, as
+    `_mode_calls_return_the_model`), and count the forwards running through `engine`.
+
+    DeepSpeed's engine hooks every output of each forward already; checking there costs one
+    call per output gradient and nothing per forward, where hooks of our own on the outputs
+    cost a module hook, a walk and a tensor hook per forward (about 2 % of a small model's
+    step). The returned function says whether a forward through `engine` is running now.
+    """
+    import types
+
+    kind = type(engine)
+    once, per_tensor, forward = kind._backward_prologue, kind._backward_prologue_per_tensor, kind.forward
+    running = [0]
+
+    def backward_prologue(self: Any) -> Any:
+        check()  # before DeepSpeed's own refusal of a direct backward on ZeRO-0
+        return once(self)
+
+    def backward_prologue_per_tensor(self: Any, grad: Any) -> Any:
+        check()  # every output's gradient, every backward (the once-hook runs per forward)
+        return per_tensor(self, grad)
+
+    def counted_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        running[0] += 1
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    for name, function in (
+        ("_backward_prologue", backward_prologue),
+        ("_backward_prologue_per_tensor", backward_prologue_per_tensor),
+        ("forward", counted_forward),
+    ):
+        engine.__dict__[name] = types.MethodType(function, engine)
+    return lambda: running[0] > 0
+
+
+#: DeepSpeed's `clip_fp32_gradients` (fp32 ZeRO-0 clipping inside `step()`), which drops the
+#: global norm it computes; `_clip_norm_kept` keeps it where the method is exactly this call.
+_DEEPSPEED_CLIP = (
+    "clip_grad_norm_(parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu)"
+)
+
+
+def _clip_norm_kept(engine: Any) -> Callable[[], float | None] | None:
+    """Where `engine` clips fp32 gradients in `step()` (ZeRO-0, `gradient_clipping` > 0), keep the
+    global norm DeepSpeed computes for it (its `clip_fp32_gradients`, per instance, as the same
+    call that returns the norm) and return a function that gives the norm of the last step;
+    None where DeepSpeed does not clip here or its method is not the one known."""
+    if not engine.gradient_clipping() > 0.0:
+        return None
+    kept = engine.__dict__.get("_ds_engine_clip_norm")
+    if kept is not None:
+        return kept
+    import inspect
+    import types
+
+    from deepspeed.runtime import engine as engine_module
+
+    method = type(engine).clip_fp32_gradients
+    try:
+        body = [line.strip() for line in inspect.getsource(method).splitlines()[1:] if line.strip()]
+    except (OSError, TypeError):  # no source to compare with: compute the norm ourselves
+        body = []
+    if body != [_DEEPSPEED_CLIP] or not callable(getattr(engine_module, "clip_grad_norm_", None)):
+        return None
+    last: list[Any] = [None]
+
+    def clip_fp32_gradients(self: Any) -> None:
+        last[0] = engine_module.clip_grad_norm_(
+            parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu
+        )
+
+    def norm() -> float | None:
+        value, last[0] = last[0], None
+        return None if value is None else float(value)
+
+    engine.__dict__["clip_fp32_gradients"] = types.MethodType(clip_fp32_gradients, engine)
+    engine.__dict__["_ds_engine_clip_norm"] = norm
+    return norm
+
+
+def _all_finite(parameters: list[torch.nn.Parameter]) -> bool:
+    """Whether every gradient of `parameters` is finite: one fused kernel per dtype/device group
+    (torch's own non-finite check for AMP; multiplying by exactly 1 leaves every value as it was)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return True
+    found = torch.zeros(1, device=grads[0].device)
+    try:
+        with torch.no_grad():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=found.device))
+    except RuntimeError:  # gradients of several devices or dtypes the kernel does not take
+        return math.isfinite(_local_grad_norm(parameters))
+    return not bool(found.item())
 
 
 def _local_grad_norm(parameters: list[torch.nn.Parameter]) -> float:

@@ -120,3 +120,48 @@ def test_an_output_covered_in_one_forward_is_caught_when_the_next_wires_it_other
     with pytest.raises(RuntimeError, match=DIRECT):
         second["b"].sum().backward()
     assert all(p.grad is None for p in inner.parameters())
+
+
+STARTS = {
+    "loss": lambda out: out["loss"],
+    "head_a": lambda out: out["a"].sum(),
+    "head_b": lambda out: out["b"].sum(),
+    "features": lambda out: out["features"].sum(),
+}
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [0, 2])
+def test_under_deepspeed_the_check_runs_in_deepspeeds_own_output_hooks(stage: int) -> None:
+    """DeepSpeed's engine hooks every output of its forward itself: the guard checks there (no
+    hook of its own per forward) and still stops every direct backward before any gradient,
+    in its own words (before DeepSpeed's refusal on ZeRO-0); a forward that bypasses the
+    wrapper (the unwrapped module) is caught by the module's hook."""
+    engine = Engine(backend="deepspeed", zero_stage=stage, micro_batch_size=2)
+    heads = TwoHeads()
+    model, _ = engine.prepare(heads, torch.optim.SGD(heads.parameters(), lr=0.1))
+    inner = engine.unwrap_model(model)
+    for name, start in STARTS.items():
+        out = model(torch.ones(2, 4))
+        # DeepSpeed's one hook per output, none of the guard's
+        assert [len(t._backward_hooks or {}) for t in out.values()] == [1] * 4, name
+        with pytest.raises(RuntimeError, match=DIRECT):
+            start(out).backward()
+        assert all(p.grad is None for p in inner.parameters()), name
+    with pytest.raises(RuntimeError, match=DIRECT):
+        inner(torch.ones(2, 4))["b"].sum().backward()
+    assert all(p.grad is None for p in inner.parameters())
+
+    before = [p.detach().clone() for p in inner.parameters()]
+    with engine.accumulate(model):
+        engine.backward(model(torch.ones(2, 4))["loss"])
+        engine.optimizer.step()
+    assert any(not torch.equal(b, a) for b, a in zip(before, inner.parameters()))
+
+
+@pytest.mark.deepspeed
+def test_under_deepspeed_a_model_prepared_without_an_optimizer_says_so() -> None:
+    engine = Engine(backend="deepspeed", zero_stage=0, micro_batch_size=2)
+    teacher = engine.prepare(TwoHeads())
+    with pytest.raises(RuntimeError, match="prepared without an optimizer"):
+        teacher(torch.ones(2, 4))["loss"].backward()

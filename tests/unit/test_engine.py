@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -235,3 +236,37 @@ def test_non_finite_steps_are_skipped_counted_and_raise_after_the_configured_run
     engine.backward(model(torch.ones(1, 4)).sum() * float("nan"))
     with pytest.raises(FloatingPointError, match="max_consecutive_skipped_steps"):
         optimizer.step()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_deepspeed_zero0_fp32_skips_non_finite_steps_and_reports_the_pre_clip_norm(clip: float) -> None:
+    """fp32 ZeRO-0 has no overflow check in DeepSpeed: a NaN or inf step is skipped, the weights
+    untouched; a finite one reports the global norm before clipping (DeepSpeed's own, where it
+    clips) and trains exactly as clipped SGD does."""
+    engine = Engine(backend="deepspeed", zero_stage=0, micro_batch_size=1, gradient_clipping=clip)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.arange(4.0).reshape(1, 4)
+    for factor in (float("nan"), 1.0, float("inf"), 1.0, 1.0):
+        before = [p.detach().clone() for p in model.parameters()]
+        engine.backward(model(x).sum() * factor)
+        optimizer.step()
+        optimizer.zero_grad()
+        if factor != 1.0:
+            assert engine.step_was_skipped and not math.isfinite(engine.grad_norm)
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            continue
+        ref_optimizer.zero_grad()
+        reference(x).sum().backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip or float("inf"))
+        ref_optimizer.step()
+        assert not engine.step_was_skipped
+        assert engine.grad_norm == pytest.approx(float(expected), rel=1e-6)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert engine.num_skipped_steps == 2 and engine.num_optimizer_steps == 3
