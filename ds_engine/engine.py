@@ -44,6 +44,7 @@ from ds_engine.engine_generation import EngineGeneration
 from ds_engine.engine_metrics import EngineMetrics
 from ds_engine.engine_saving import EngineSaving
 from ds_engine.guards import (
+    caller_name,
     check_clip_arguments,
     check_clipped_parameters,
     check_optimizer_parameters,
@@ -242,7 +243,7 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     @property
     def _caller(self) -> str:
         """What the user's script calls this object: "engine", or "accelerator" on the accelerate surface."""
-        return _caller_of(type(self))
+        return caller_name(type(self))
 
     def _refuse_if_ended(self, call: str) -> None:
         """The one error for `<caller>.<call>` after `end_training` (every backend alike)."""
@@ -630,11 +631,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         self.in_backward = True
         try:
             with context, self._watch("backward"):
-                if num_items is None:  # the window mean of mean losses
-                    scale = 1.0 / self.step.window_len
-                else:
-                    world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
-                    scale = window_scale(num_items, self.step.window_len, world, self._caller)
+                world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
+                scale = window_scale(num_items, self.step.window_len, world, self._caller)
                 self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
         finally:
             self.in_backward = False
@@ -692,19 +690,6 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
     save_pretrained = watchdog.watched("save_pretrained", EngineSaving.save_pretrained)
     save_checkpoint = watchdog.watched("save_checkpoint", EngineSaving.save_checkpoint)
     load_checkpoint = watchdog.watched("load_checkpoint", EngineSaving.load_checkpoint)
-
-
-_CALLERS: dict[type, str] = {}
-
-
-def _caller_of(cls: type) -> str:
-    """The lower-cased name of the first ds_engine class in `cls`'s MRO (a user's subclass of
-    Engine is still called "engine" in messages); looked up once per class."""
-    name = _CALLERS.get(cls)
-    if name is None:
-        found = (base.__name__.lower() for base in cls.__mro__ if base.__module__.startswith("ds_engine."))
-        name = _CALLERS[cls] = next(found, "engine")
-    return name
 
 
 __all__: Sequence[str] = ("CONFIG_ENV", "Engine")

@@ -412,3 +412,17 @@ def window_scale(num_items: Any, window_len: int, world: Callable[[], int], call
             "without items (its token mean is undefined)."
         )
     return world() / float(value)
+
+
+_CALLER_NAMES: dict[type, str] = {}
+
+
+def caller_name(cls: type) -> str:
+    """What a user's script calls an object of `cls` in messages: the lower-cased name of the first
+    ds_engine class in its MRO ("engine", "accelerator"; a user's subclass of Engine is still
+    "engine"). Looked up once per class: `backward` asks on every micro-step."""
+    name = _CALLER_NAMES.get(cls)
+    if name is None:
+        found = (base.__name__.lower() for base in cls.__mro__ if base.__module__.startswith("ds_engine."))
+        name = _CALLER_NAMES[cls] = next(found, "engine")
+    return name

@@ -138,30 +138,36 @@ def test_under_deepspeed_the_check_runs_in_deepspeeds_own_output_hooks(stage: in
     in its own words (before DeepSpeed's refusal on ZeRO-0); a forward that bypasses the
     wrapper (the unwrapped module) is caught by the module's hook."""
     engine = Engine(backend="deepspeed", zero_stage=stage, micro_batch_size=2)
-    heads = TwoHeads()
-    model, _ = engine.prepare(heads, torch.optim.SGD(heads.parameters(), lr=0.1))
-    inner = engine.unwrap_model(model)
-    for name, start in STARTS.items():
-        out = model(torch.ones(2, 4))
-        # DeepSpeed's one hook per output, none of the guard's
-        assert [len(t._backward_hooks or {}) for t in out.values()] == [1] * 4, name
+    try:
+        heads = TwoHeads()
+        model, _ = engine.prepare(heads, torch.optim.SGD(heads.parameters(), lr=0.1))
+        inner = engine.unwrap_model(model)
+        for name, start in STARTS.items():
+            out = model(torch.ones(2, 4))
+            # DeepSpeed's one hook per output, none of the guard's
+            assert [len(t._backward_hooks or {}) for t in out.values()] == [1] * 4, name
+            with pytest.raises(RuntimeError, match=DIRECT):
+                start(out).backward()
+            assert all(p.grad is None for p in inner.parameters()), name
         with pytest.raises(RuntimeError, match=DIRECT):
-            start(out).backward()
-        assert all(p.grad is None for p in inner.parameters()), name
-    with pytest.raises(RuntimeError, match=DIRECT):
-        inner(torch.ones(2, 4))["b"].sum().backward()
-    assert all(p.grad is None for p in inner.parameters())
+            inner(torch.ones(2, 4))["b"].sum().backward()
+        assert all(p.grad is None for p in inner.parameters())
 
-    before = [p.detach().clone() for p in inner.parameters()]
-    with engine.accumulate(model):
-        engine.backward(model(torch.ones(2, 4))["loss"])
-        engine.optimizer.step()
-    assert any(not torch.equal(b, a) for b, a in zip(before, inner.parameters()))
+        before = [p.detach().clone() for p in inner.parameters()]
+        with engine.accumulate(model):
+            engine.backward(model(torch.ones(2, 4))["loss"])
+            engine.optimizer.step()
+        assert any(not torch.equal(b, a) for b, a in zip(before, inner.parameters()))
+    finally:
+        engine.end_training()
 
 
 @pytest.mark.deepspeed
 def test_under_deepspeed_a_model_prepared_without_an_optimizer_says_so() -> None:
     engine = Engine(backend="deepspeed", zero_stage=0, micro_batch_size=2)
-    teacher = engine.prepare(TwoHeads())
-    with pytest.raises(RuntimeError, match="prepared without an optimizer"):
-        teacher(torch.ones(2, 4))["loss"].backward()
+    try:
+        teacher = engine.prepare(TwoHeads())
+        with pytest.raises(RuntimeError, match="prepared without an optimizer"):
+            teacher(torch.ones(2, 4))["loss"].backward()
+    finally:
+        engine.end_training()

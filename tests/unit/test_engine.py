@@ -192,12 +192,15 @@ def test_prepare_returns_objects_in_the_order_given():
 @pytest.mark.deepspeed
 def test_deepspeed_backend_single_process_builds_and_exposes_its_config():
     engine = Engine(backend="deepspeed", gradient_accumulation_steps=2, gradient_clipping=1.0)
-    assert _train(engine) == [False, True, False, True, True]
-    assert engine.backend_name == "deepspeed"
-    cfg = engine.ds_config
-    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
-    assert cfg["train_batch_size"] == 4 and cfg["gradient_clipping"] == 1.0
-    assert engine.num_optimizer_steps == 3
+    try:
+        assert _train(engine) == [False, True, False, True, True]
+        assert engine.backend_name == "deepspeed"
+        cfg = engine.ds_config
+        assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
+        assert cfg["train_batch_size"] == 4 and cfg["gradient_clipping"] == 1.0
+        assert engine.num_optimizer_steps == 3
+    finally:
+        engine.end_training()
 
 
 @pytest.mark.nodeepspeed
@@ -245,28 +248,31 @@ def test_deepspeed_zero0_fp32_skips_non_finite_steps_and_reports_the_pre_clip_no
     untouched; a finite one reports the global norm before clipping (DeepSpeed's own, where it
     clips) and trains exactly as clipped SGD does."""
     engine = Engine(backend="deepspeed", zero_stage=0, micro_batch_size=1, gradient_clipping=clip)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    reference = torch.nn.Linear(4, 1)
-    reference.load_state_dict(model.state_dict())
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    x = torch.arange(4.0).reshape(1, 4)
-    for factor in (float("nan"), 1.0, float("inf"), 1.0, 1.0):
-        before = [p.detach().clone() for p in model.parameters()]
-        engine.backward(model(x).sum() * factor)
-        optimizer.step()
-        optimizer.zero_grad()
-        if factor != 1.0:
-            assert engine.step_was_skipped and not math.isfinite(engine.grad_norm)
-            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-            continue
-        ref_optimizer.zero_grad()
-        reference(x).sum().backward()
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip or float("inf"))
-        ref_optimizer.step()
-        assert not engine.step_was_skipped
-        assert engine.grad_norm == pytest.approx(float(expected), rel=1e-6)
-        for p, r in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
-    assert engine.num_skipped_steps == 2 and engine.num_optimizer_steps == 3
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        reference = torch.nn.Linear(4, 1)
+        reference.load_state_dict(model.state_dict())
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.arange(4.0).reshape(1, 4)
+        for factor in (float("nan"), 1.0, float("inf"), 1.0, 1.0):
+            before = [p.detach().clone() for p in model.parameters()]
+            engine.backward(model(x).sum() * factor)
+            optimizer.step()
+            optimizer.zero_grad()
+            if factor != 1.0:
+                assert engine.step_was_skipped and not math.isfinite(engine.grad_norm)
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                continue
+            ref_optimizer.zero_grad()
+            reference(x).sum().backward()
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip or float("inf"))
+            ref_optimizer.step()
+            assert not engine.step_was_skipped
+            assert engine.grad_norm == pytest.approx(float(expected), rel=1e-6)
+            for p, r in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert engine.num_skipped_steps == 2 and engine.num_optimizer_steps == 3
+    finally:
+        engine.end_training()

@@ -258,6 +258,7 @@ def test_zero3_lora_built_in_init_context_starts_as_peft_builds_it_and_trains_as
         fallback_saved = saved_tensors(tmp_path / "fallback")
         assert sorted(ours) == sorted(fallback_saved)
         assert all(torch.allclose(ours[k], fallback_saved[k], atol=1e-6, rtol=0) for k in ours)
+        fallback.end_training()  # it uses the group DeepSpeed's Engine formed
     finally:
         engine.end_training()
     assert torch.nn.functional.linear is torch._C._nn.linear  # zero.Init's replacement went with it
