@@ -132,16 +132,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _no_process_group_left_behind():
     """A test that forms a process group in this process must end it (`engine.end_training()`):
     a group left behind would change what the next test on the same worker sees."""
-    import torch.distributed as dist
-
-    before = dist.is_available() and dist.is_initialized()
-    yield
-    if before or not (dist.is_available() and dist.is_initialized()):
-        return
     from ds_engine import process_group
 
+    before = process_group.is_initialized()
+    yield
+    if before or not process_group.is_initialized():
+        return
     for engine in process_group.users():
         engine.end_training()
-    if dist.is_initialized():
+    if process_group.is_initialized():  # formed by the test itself, not by an Engine
+        import torch.distributed as dist
+
         dist.destroy_process_group()
     pytest.fail("the test left a process group behind: end every Engine it made with `end_training()`")

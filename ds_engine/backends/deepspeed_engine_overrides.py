@@ -1,15 +1,19 @@
-"""Per-instance overrides of DeepSpeed's engine that the DeepSpeed backend installs.
+"""DeepSpeed's engine adjusted per instance, and the fp32 ZeRO-0 checks it does not make.
+
+Installed by the DeepSpeed backend into the engine instance's `__dict__` (the class is
+DeepSpeed's); the output-hook check and the kept norm only where the DeepSpeed in use has the
+methods they replace in the shape known:
 
 * `mode_calls_return_the_model` -- `train()` / `eval()` return the model, as torch's do.
 * `hooks_every_output` / `check_in_deepspeed_output_hooks` -- the direct-backward check runs inside
   DeepSpeed's own hooks on its forward's outputs (nothing of ours per forward).
 * `clip_norm_kept` -- fp32 ZeRO-0 clipping keeps the global norm DeepSpeed computes.
-* `all_finite` / `local_grad_norm` -- fp32 ZeRO-0's finiteness check and norm, which
-  DeepSpeed does not make there.
 
-Each override goes into the engine instance's `__dict__` (the class is DeepSpeed's) and only
-where the DeepSpeed in use has the method it replaces in the shape known. DeepSpeed is imported
-lazily, inside functions, so this module imports without it.
+Called by the backend at each fp32 ZeRO-0 step, where DeepSpeed has no overflow check:
+
+* `all_finite` / `local_grad_norm` -- whether every gradient is finite, and their global norm.
+
+DeepSpeed is imported lazily, inside functions, so this module imports without it.
 """
 
 from __future__ import annotations
