@@ -6,13 +6,15 @@
 # Sets up .venv (with DeepSpeed) and .venv-nods (without), runs ruff and mypy, then pytest
 # in each environment; exits non-zero if anything failed.
 #
-# In each environment the unit tests (all but tests/distributed) run on 2 pytest-xdist
-# workers (CPU-bound, no process group shared between tests) and the distributed tests one at
-# a time (each is a 2-rank launch; running two at once would make their timing checks depend
-# on the load). Launches of the fallback or the launcher alone (marked `dsfree`, see
-# tests/conftest.py) run only where DeepSpeed is absent: nothing in them depends on DeepSpeed
-# being installed. With PYTEST_ARGS, each environment runs one plain pytest with them instead
-# (`dsfree` included).
+# The unit tests (all but tests/distributed) run in each environment in turn, on 2
+# pytest-xdist workers (CPU-bound, no process group shared between tests). Then the distributed
+# tests of both environments run at once, one test at a time in each (every test is a 2-rank
+# launch; a launch that waits on a restart, a signal or a timeout leaves the cores about half
+# idle, which the other environment's launches use); each environment's log is printed when it
+# ends. Launches of the fallback or the launcher alone (marked `dsfree`, see tests/conftest.py)
+# run only where DeepSpeed is absent: nothing in them depends on DeepSpeed being installed.
+# With PYTEST_ARGS, each environment runs one plain pytest with them instead (`dsfree`
+# included), one environment after the other.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -42,25 +44,40 @@ for job in "${prebuilds[@]}"; do
 done
 if [ "$rc_nods" != 0 ]; then exit 1; fi
 status=0
+echo "== set-up done at ${SECONDS} s"
 echo "== lint: ruff + mypy"
 .venv/bin/ruff check ds_engine tests scripts || status=1
 .venv/bin/ruff format --check ds_engine tests scripts || status=1
 .venv/bin/mypy || status=1
 
-# suite VENV MARKEXPR [DISTRIBUTED_MARKEXPR]
-suite() {
-  local python=$1/bin/python marks=$2 dist_marks=${3:-$2}
-  if [ "${#ARGS[@]}" -gt 0 ]; then
-    "$python" -m pytest -m "$marks" --durations=15 "${ARGS[@]}" || status=1
-    return
-  fi
-  "$python" -m pytest tests --ignore=tests/distributed -m "$marks" -n 2 --durations=10 || status=1
-  "$python" -m pytest tests/distributed -m "$dist_marks" --durations=15 || status=1
-}
 ARGS=("$@")
-echo "== suite 1/2: DeepSpeed installed (every test not marked 'nodeepspeed' nor 'dsfree')"
-suite .venv "not nodeepspeed" "not nodeepspeed and not dsfree"
-echo "== suite 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
-suite .venv-nods "not deepspeed"
+if [ "${#ARGS[@]}" -gt 0 ]; then
+  echo "== suite 1/2: DeepSpeed installed"
+  .venv/bin/python -m pytest -m "not nodeepspeed" --durations=15 "${ARGS[@]}" || status=1
+  echo "== suite 2/2: DeepSpeed not installed"
+  .venv-nods/bin/python -m pytest -m "not deepspeed" --durations=15 "${ARGS[@]}" || status=1
+else
+  echo "== lint done at ${SECONDS} s"
+  echo "== unit 1/2: DeepSpeed installed (every test not marked 'nodeepspeed')"
+  .venv/bin/python -m pytest tests --ignore=tests/distributed -m "not nodeepspeed" -n 2 --durations=10 || status=1
+  echo "== unit 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
+  .venv-nods/bin/python -m pytest tests --ignore=tests/distributed -m "not deepspeed" -n 2 --durations=10 || status=1
+  echo "== unit tests done at ${SECONDS} s"
+  echo "== distributed, both environments at once (logs: $logs/distributed-*.log, printed as each ends)"
+  .venv/bin/python -m pytest tests/distributed -m "not nodeepspeed and not dsfree" --durations=15 \
+    --basetemp "$logs/tmp-deepspeed" > "$logs/distributed-deepspeed.log" 2>&1 &
+  dist_ds=$!
+  .venv-nods/bin/python -m pytest tests/distributed -m "not deepspeed" --durations=15 \
+    --basetemp "$logs/tmp-nodeepspeed" > "$logs/distributed-nodeepspeed.log" 2>&1 &
+  dist_nods=$!
+  wait "$dist_nods" || status=1
+  echo "== distributed without DeepSpeed done at ${SECONDS} s"
+  echo "== distributed 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
+  cat "$logs/distributed-nodeepspeed.log"
+  wait "$dist_ds" || status=1
+  echo "== distributed with DeepSpeed done at ${SECONDS} s"
+  echo "== distributed 1/2: DeepSpeed installed (every test not marked 'nodeepspeed' nor 'dsfree')"
+  cat "$logs/distributed-deepspeed.log"
+fi
 if [ "$status" = 0 ]; then echo "== all passed"; else echo "== FAILED"; fi
 exit $status

@@ -49,7 +49,23 @@ PARAMS = [_backend(name) for name in BACKENDS]
 
 
 @pytest.fixture(scope="module")
-def example() -> Any:
+def one_ray_cluster_at_a_time() -> Any:
+    """Hold the machine's Ray lock while this module's cluster runs: a second local cluster
+    started at the same time (the other environment's half of the suite) could find this one
+    through Ray's "latest cluster" file and join it."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "ds_engine_tests_ray.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def example(one_ray_cluster_at_a_time: Any) -> Any:
     """The example module, imported by name here and (through PYTHONPATH) in Ray's workers."""
     env = worker_env()
     pythonpath = f"{EXAMPLES}:{env['PYTHONPATH']}"
