@@ -18,7 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Both environments install at once (pip is mostly unpacking, one core each).
+# Both environments install at once (pip is mostly unpacking, one core each); lint and the
+# unit tests with DeepSpeed run as soon as the first is ready.
 logs=$(mktemp -d)
 bash scripts/setup_env.sh .venv > "$logs/venv.log" 2>&1 &
 setup_ds=$!
@@ -37,29 +38,31 @@ for op in CPUAdamBuilder FusedAdamBuilder; do
     > ".prebuild_$op.log" 2>&1 &
   prebuilds+=("$!:$op")
 done
+status=0
+echo "== lint: ruff + mypy (while the second environment installs)"
+.venv/bin/ruff check ds_engine tests scripts || status=1
+.venv/bin/ruff format --check ds_engine tests scripts || status=1
+.venv/bin/mypy || status=1
+echo "== lint done at ${SECONDS} s"
+ARGS=("$@")
+if [ "${#ARGS[@]}" = 0 ]; then
+  echo "== unit 1/2: DeepSpeed installed (every test not marked 'nodeepspeed')"
+  .venv/bin/python -m pytest tests --ignore=tests/distributed -m "not nodeepspeed" -n 2 --durations=10 || status=1
+  echo "== unit 1/2 done at ${SECONDS} s"
+fi
 wait "$setup_nods"; rc_nods=$?
 cat "$logs/venv-nods.log"
 for job in "${prebuilds[@]}"; do
   wait "${job%%:*}" || echo "[setup] ${job#*:} prebuild failed (tests will build it): see .prebuild_${job#*:}.log"
 done
 if [ "$rc_nods" != 0 ]; then exit 1; fi
-status=0
 echo "== set-up done at ${SECONDS} s"
-echo "== lint: ruff + mypy"
-.venv/bin/ruff check ds_engine tests scripts || status=1
-.venv/bin/ruff format --check ds_engine tests scripts || status=1
-.venv/bin/mypy || status=1
-
-ARGS=("$@")
 if [ "${#ARGS[@]}" -gt 0 ]; then
   echo "== suite 1/2: DeepSpeed installed"
   .venv/bin/python -m pytest -m "not nodeepspeed" --durations=15 "${ARGS[@]}" || status=1
   echo "== suite 2/2: DeepSpeed not installed"
   .venv-nods/bin/python -m pytest -m "not deepspeed" --durations=15 "${ARGS[@]}" || status=1
 else
-  echo "== lint done at ${SECONDS} s"
-  echo "== unit 1/2: DeepSpeed installed (every test not marked 'nodeepspeed')"
-  .venv/bin/python -m pytest tests --ignore=tests/distributed -m "not nodeepspeed" -n 2 --durations=10 || status=1
   echo "== unit 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
   .venv-nods/bin/python -m pytest tests --ignore=tests/distributed -m "not deepspeed" -n 2 --durations=10 || status=1
   echo "== unit tests done at ${SECONDS} s"
