@@ -93,8 +93,8 @@ def _is_quick(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     # Under pytest-xdist (`-n 2`) the launches go to one worker, one at a time (the group below),
-    # while the other workers take the unit tests: two launches side by side would share the
-    # cores their timing checks measure.
+    # while the other workers take the unit tests, which keep the second core busy (a second
+    # stream of launches beside them would only add load).
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
 
