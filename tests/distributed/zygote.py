@@ -48,6 +48,16 @@ def warm_up() -> None:
             importlib.import_module(name)
     with contextlib.suppress(ImportError):
         from transformers import BertModel, GPT2LMHeadModel  # noqa: F401 (the lazy modules)
+    with contextlib.suppress(ImportError):
+        # DeepSpeed's CPU op builders (CPU-Adam, FusedAdam) ask py-cpuinfo for the CPU's
+        # architecture and SIMD width at every op load, twice, each a subprocess of about 1 s:
+        # a fact of the machine, asked once here for every rank forked later
+        import functools
+
+        import cpuinfo
+
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+        cpuinfo.get_cpu_info()
 
 
 def rank_process(request: dict, rank: int) -> None:
