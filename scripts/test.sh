@@ -78,8 +78,12 @@ else
     --basetemp "$logs/tmp-unit-nodeepspeed" || status=1
   echo "== unit tests done at ${SECONDS} s"
   echo "== distributed 2/2: DeepSpeed not installed (every test not marked 'deepspeed')"
+  # its Ray test first: one local Ray cluster runs at a time on the machine, and the other
+  # half, which ends last, reaches its own Ray test near its end
+  .venv-nods/bin/python -m pytest tests/distributed/test_ray_train.py -m "not deepspeed" --durations=15 \
+    --basetemp "$logs/tmp-nodeepspeed-ray" || status=1
   .venv-nods/bin/python -m pytest tests/distributed -m "not deepspeed" --durations=15 \
-    --basetemp "$logs/tmp-nodeepspeed" || status=1
+    --ignore tests/distributed/test_ray_train.py --basetemp "$logs/tmp-nodeepspeed" || status=1
   echo "== distributed without DeepSpeed done at ${SECONDS} s"
   wait "$dist_ds" || status=1
   echo "== distributed with DeepSpeed done at ${SECONDS} s"

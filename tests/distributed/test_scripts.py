@@ -177,13 +177,13 @@ def test_the_main_job_trains_on_the_real_sentences_by_default_and_its_console_st
         assert (s["data"], s["data_origin"]) == ("real", "project"), s["data_origin"]
         assert [Path(f).resolve() for f in s["data_files"]] == [(REAL / n).resolve() for n in UCI_FILES]
         assert s["validation_samples"] == 600  # the fixed 20 % of 3000 sentences
+        assert not (tmp_path / "main" / "data").exists()  # nothing generated
     s = results[0]["main"]
     assert s["argv"][:2] == ["--zero-stage", "3"]
     assert (s["backend"], s["zero_stage"], s["num_processes"]) == ("deepspeed", 3, 2)
     assert s["optimizer_steps"] == 3 and s["skipped_steps"] == 0
     assert all(math.isfinite(x) for x in s["train_losses"])
     assert s["reloaded_accuracy"] == pytest.approx(s["accuracy"], abs=1 / 600)
-    assert not (tmp_path / "main" / "data").exists()  # nothing generated
     # the console, bar redraws aside: rank 0 speaks, no deprecation chatter
     lines = [line for line in re.split(r"[\r\n]", result.stdout) if line.strip()]
     bar = [line for line in lines if re.match(r"(train|Loading weights|eval\w*):\s", line)]
