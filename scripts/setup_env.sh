@@ -7,8 +7,9 @@
 # suite uses); the main job asks for `examples` only. DeepSpeed's extra is added unless
 # --no-deepspeed.
 #
-# torch is installed first, from DS_ENGINE_TORCH (default `torch==2.13.0`, the CPU wheel on
-# CPU machines here). GPU users pick their own build, e.g.
+# torch is installed first, with pip, from DS_ENGINE_TORCH (default `torch==2.13.0`, the CPU
+# wheel on CPU machines here); the rest with uv (installed into the environment by pip; pip
+# does it where uv cannot be had), torch held at that build. GPU users pick their own build, e.g.
 #   DS_ENGINE_TORCH="torch==2.13.0" DS_ENGINE_TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup_env.sh
 # With --no-deepspeed the environment gets everything except DeepSpeed, which is uninstalled
 # if present: the fallback suite runs where DeepSpeed is absent, not merely hidden.
@@ -57,13 +58,14 @@ index_args=()
 if [ -n "${DS_ENGINE_TORCH_INDEX:-}" ]; then index_args=(--index-url "$DS_ENGINE_TORCH_INDEX"); fi
 echo "[setup] $venv: installing $torch_spec"
 "${pip[@]}" install -q "${index_args[@]}" "$torch_spec"
-# The rest is resolved and installed by uv (from PyPI, as pip would; about 10 s where pip
-# takes about 2 minutes of CPU), with torch held at the build just installed, so no
-# dependency can swap it for another build. Where uv cannot be had, pip does it.
+# The rest is resolved and installed by uv (from PyPI, as pip would, and compiled to bytecode
+# as pip does: about 20 s where pip takes about 2 minutes of CPU), with torch held at the build
+# just installed, so no dependency can swap it for another build. Where uv cannot be had, pip
+# does it.
 pins="$venv/.ds_engine_pins.txt"
 "$venv/bin/python" -c "from importlib.metadata import version; print('torch==' + version('torch'))" > "$pins"
 echo "[setup] $venv: installing ds-engine[$extras]"
-if "${pip[@]}" install -q uv && "$venv/bin/uv" pip install --python "$venv/bin/python" -q -c "$pins" -e ".[$extras]"; then
+if "${pip[@]}" install -q uv && "$venv/bin/uv" pip install --python "$venv/bin/python" -q --compile-bytecode -c "$pins" -e ".[$extras]"; then
   :
 else
   echo "[setup] $venv: uv unavailable or failed; installing with pip"

@@ -18,6 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# every launch imports the project's modules: compiled once, not in each of its processes
+unset PYTHONDONTWRITEBYTECODE
 # Both environments install at once (pip is mostly unpacking, one core each); the distributed
 # tests with DeepSpeed, lint and the unit tests with DeepSpeed start as soon as the first is ready.
 logs=$(mktemp -d)
@@ -40,7 +42,7 @@ for op in CPUAdamBuilder FusedAdamBuilder; do
 done
 ARGS=("$@")
 if [ "${#ARGS[@]}" = 0 ]; then
-  echo "== distributed 1/2 started: DeepSpeed installed (every test not marked 'nodeepspeed' nor 'dsfree'; log printed when it ends)"
+  echo "== distributed 1/2 started at ${SECONDS} s: DeepSpeed installed (every test not marked 'nodeepspeed' nor 'dsfree'; log printed when it ends)"
   .venv/bin/python -m pytest tests/distributed -m "not nodeepspeed and not dsfree" --durations=15 \
     --basetemp "$logs/tmp-deepspeed" > "$logs/distributed-deepspeed.log" 2>&1 &
   dist_ds=$!

@@ -49,6 +49,8 @@ with engine.gathered(model):  # one gather for the block; generate does no colle
     ids = engine.generate(
         model, **inputs, max_new_tokens=2 + engine.process_index, do_sample=False, pad_token_id=0
     )
-print(f"rank {engine.process_index}: {tokenizer.decode(ids[0])!r}", flush=True)
+# every rank prints its own line: one write each (newline included), so two ranks' lines
+# never run into each other on the shared console
+print(f"rank {engine.process_index}: {tokenizer.decode(ids[0])!r}\n", end="", flush=True)
 engine.save_pretrained(model, "out/generation", tokenizer=tokenizer)  # reloads with from_pretrained
 engine.end_training()
