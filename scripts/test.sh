@@ -20,8 +20,9 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # every launch imports the project's modules: compiled once, not in each of its processes
 unset PYTHONDONTWRITEBYTECODE
-# Both environments install at once (pip is mostly unpacking, one core each); the distributed
-# tests with DeepSpeed, lint and the unit tests with DeepSpeed start as soon as the first is ready.
+# Both environments install at once (scripts/setup_env.sh: torch with pip, the rest with uv);
+# the distributed tests with DeepSpeed, lint and the unit tests with DeepSpeed start as soon as
+# the first is ready.
 logs=$(mktemp -d)
 bash scripts/setup_env.sh .venv > "$logs/venv.log" 2>&1 &
 setup_ds=$!
