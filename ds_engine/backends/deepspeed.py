@@ -31,7 +31,7 @@ from ds_engine.backends.base import (
     destroy_process_group_at_exit,
 )
 from ds_engine.backends.deepspeed_engine_overrides import (
-    all_finite,
+    KeptClipNorm,
     check_in_deepspeed_output_hooks,
     clip_norm_kept,
     hooks_every_output,
@@ -407,28 +407,31 @@ class DeepSpeedBackend(Backend):
         if not self._unmanaged:
             engine.set_gradient_accumulation_boundary(True)
         own_norm: float | None = None
-        clip_norm: Callable[[], float | None] | None = None
+        kept: KeptClipNorm | None = None
         low_precision = engine.fp16_enabled() or engine.bfloat16_enabled()
         if engine.zero_optimization_stage() == 0 and not low_precision and not self._unmanaged:
             # ZeRO-0 in fp32 has no overflow check in DeepSpeed: skip a non-finite step ourselves
             # (every rank sees the same all-reduced gradients, so all ranks agree), and report
             # the global norm, which DeepSpeed keeps to itself here.
-            parameters = self._parameters_of(engine.module)
-            clip_norm = clip_norm_kept(engine)
-            if clip_norm is None:
-                own_norm = local_grad_norm(parameters)  # all-reduced: the global norm
-                finite = math.isfinite(own_norm)
-            else:  # DeepSpeed computes the norm it clips by inside step(): only check here
-                finite = all_finite(parameters)
-            if self.effective.skip_nonfinite_steps and not finite:
-                skipped_norm = own_norm if own_norm is not None else local_grad_norm(parameters)
-                engine.zero_grad()
-                return StepOutcome(applied=False, grad_norm=skipped_norm, loss_scale=None)
-        engine.step()
-        applied = bool(engine.was_step_applied())
+            skip = self.effective.skip_nonfinite_steps
+            kept = clip_norm_kept(engine, skip_nonfinite=skip)
+            if kept is None:  # no clipping in DeepSpeed's step: the norm, and the check, are ours
+                own_norm = local_grad_norm(self._parameters_of(engine.module))  # all-reduced: global
+                if skip and not math.isfinite(own_norm):
+                    engine.zero_grad()
+                    return StepOutcome(applied=False, grad_norm=own_norm, loss_scale=None)
+            # else DeepSpeed computes the norm it clips by inside step(), and the step is
+            # skipped there when that norm is not finite
+        skipped_here, clipped_by = False, None
+        try:
+            engine.step()
+        finally:
+            if kept is not None:
+                skipped_here, clipped_by = kept.finish()
+        applied = bool(engine.was_step_applied()) and not skipped_here
         norm = engine.get_global_grad_norm()
         if norm is None:
-            norm = clip_norm() if clip_norm is not None else own_norm
+            norm = clipped_by if clipped_by is not None else own_norm
         if isinstance(norm, torch.Tensor):
             norm = float(norm.item())
         loss_scale = engine._get_optimizer_loss_scale() if engine.fp16_enabled() else None

@@ -7,11 +7,13 @@ methods they replace in the shape known:
 * `mode_calls_return_the_model` -- `train()` / `eval()` return the model, as torch's do.
 * `hooks_every_output` / `check_in_deepspeed_output_hooks` -- the direct-backward check runs inside
   DeepSpeed's own hooks on its forward's outputs (nothing of ours per forward).
-* `clip_norm_kept` -- fp32 ZeRO-0 clipping keeps the global norm DeepSpeed computes.
+* `clip_norm_kept` -- fp32 ZeRO-0 clipping keeps the global norm DeepSpeed computes, and a step
+  whose norm is not finite is skipped inside DeepSpeed's `step()` (DeepSpeed has no overflow
+  check there).
 
-Called by the backend at each fp32 ZeRO-0 step, where DeepSpeed has no overflow check:
+Called by the backend at each fp32 ZeRO-0 step without clipping:
 
-* `all_finite` / `local_grad_norm` -- whether every gradient is finite, and their global norm.
+* `local_grad_norm` -- the global norm of the gradients (the step is skipped when not finite).
 
 DeepSpeed is imported lazily, inside functions, so this module imports without it.
 """
@@ -110,58 +112,114 @@ DEEPSPEED_CLIP = (
     "clip_grad_norm_(parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu)"
 )
 
+#: What DeepSpeed's `_take_model_step` does after clipping fp32 gradients, in this order: step the
+#: optimizer, then read its `overflow` flag to decide whether the step counted (as for fp16).
+TAKE_MODEL_STEP = (
+    "self.clip_fp32_gradients()",
+    "self.optimizer.step()",
+    'if hasattr(self.optimizer, "overflow"):',
+    "overflow = self.optimizer.overflow",
+    "self._step_applied = not overflow",
+)
 
-def clip_norm_kept(engine: Any) -> Callable[[], float | None] | None:
+
+def _source_lines(function: Any) -> list[str]:
+    import inspect
+
+    try:
+        return [line.strip() for line in inspect.getsource(function).splitlines()[1:] if line.strip()]
+    except (OSError, TypeError):  # no source to compare with
+        return []
+
+
+def _in_order(lines: list[str], wanted: tuple[str, ...]) -> bool:
+    position = 0
+    for line in lines:
+        if position < len(wanted) and line == wanted[position]:
+            position += 1
+    return position == len(wanted)
+
+
+class KeptClipNorm:
+    """The global norm DeepSpeed computes to clip fp32 ZeRO-0 gradients, kept, and the step
+    skipped where that norm is not finite (see `clip_norm_kept`)."""
+
+    def __init__(self, skip_nonfinite: bool) -> None:
+        self.skip_nonfinite = skip_nonfinite
+        self._norm: float | None = None
+        self._armed: tuple[Any, dict[str, Any]] | None = None  # (optimizer, its entries replaced)
+        self._skipped = False
+
+    def clipped(self, norm: Any, optimizer: Any) -> None:
+        """DeepSpeed clipped by `norm`; where it is not finite (a gradient is inf or NaN, or their
+        norm overflows), the optimizer step DeepSpeed takes next does nothing and reports an
+        overflow, which DeepSpeed counts as a skipped step (no LR scheduler step, as for fp16)."""
+        self._norm = value = float(norm)
+        if math.isfinite(value) or not self.skip_nonfinite:
+            return
+        saved = {name: optimizer.__dict__[name] for name in ("step", "overflow") if name in vars(optimizer)}
+
+        def skipped_step(*_args: Any, **_kwargs: Any) -> None:
+            self._skipped = True
+
+        self._armed = (optimizer, saved)
+        optimizer.__dict__["step"] = skipped_step
+        optimizer.__dict__["overflow"] = True
+
+    def finish(self) -> tuple[bool, float | None]:
+        """After DeepSpeed's `step()` (also when it raised): put the optimizer back; returns
+        (whether the step was skipped here, the norm clipped by, None where none was computed)."""
+        if self._armed is not None:
+            optimizer, saved = self._armed
+            for name in ("step", "overflow"):
+                if name in saved:
+                    optimizer.__dict__[name] = saved[name]
+                else:
+                    optimizer.__dict__.pop(name, None)
+        skipped, norm = self._skipped, self._norm
+        self._armed, self._skipped, self._norm = None, False, None
+        return skipped, norm
+
+
+def clip_norm_kept(engine: Any, *, skip_nonfinite: bool) -> KeptClipNorm | None:
     """Where `engine` clips fp32 gradients in `step()` (ZeRO-0, `gradient_clipping` > 0), keep the
     global norm DeepSpeed computes for it (its `clip_fp32_gradients`, per instance, as the same
-    call that returns the norm) and return a function that gives the norm of the last step;
-    None where DeepSpeed does not clip here or its method is not the one known."""
+    call that returns the norm) and, with `skip_nonfinite`, skip the step inside DeepSpeed's
+    `step()` when that norm is not finite: one check on a norm already computed, where a check
+    of every gradient before the step would cost a pass over them per step.
+
+    None where DeepSpeed does not clip here, or where its methods are not the ones known (the
+    caller then computes the norm and checks it before the step itself).
+    """
     if not engine.gradient_clipping() > 0.0:
         return None
     kept = engine.__dict__.get("_ds_engine_clip_norm")
     if kept is not None:
-        return kept
-    import inspect
+        kept.skip_nonfinite = skip_nonfinite
+        return kept  # type: ignore[no-any-return]
     import types
 
     from deepspeed.runtime import engine as engine_module
 
-    method = type(engine).clip_fp32_gradients
-    try:
-        body = [line.strip() for line in inspect.getsource(method).splitlines()[1:] if line.strip()]
-    except (OSError, TypeError):  # no source to compare with: compute the norm ourselves
-        body = []
-    if body != [DEEPSPEED_CLIP] or not callable(getattr(engine_module, "clip_grad_norm_", None)):
+    kind = type(engine)
+    if (
+        _source_lines(kind.clip_fp32_gradients) != [DEEPSPEED_CLIP]
+        or not _in_order(_source_lines(kind._take_model_step), TAKE_MODEL_STEP)
+        or not callable(getattr(engine_module, "clip_grad_norm_", None))
+        or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+    ):
         return None
-    last: list[Any] = [None]
+    kept = KeptClipNorm(skip_nonfinite)
 
     def clip_fp32_gradients(self: Any) -> None:
-        last[0] = engine_module.clip_grad_norm_(
+        norm = engine_module.clip_grad_norm_(
             parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu
         )
-
-    def norm() -> float | None:
-        value, last[0] = last[0], None
-        return None if value is None else float(value)
+        kept.clipped(norm, self.optimizer)
 
     engine.__dict__["clip_fp32_gradients"] = types.MethodType(clip_fp32_gradients, engine)
-    engine.__dict__["_ds_engine_clip_norm"] = norm
-    return norm
-
-
-def all_finite(parameters: list[torch.nn.Parameter]) -> bool:
-    """Whether every gradient of `parameters` is finite: one fused kernel per dtype/device group
-    (torch's own non-finite check for AMP; multiplying by exactly 1 leaves every value as it was)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return True
-    found = torch.zeros(1, device=grads[0].device)
-    try:
-        with torch.no_grad():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=found.device))
-    except RuntimeError:  # gradients of several devices or dtypes the kernel does not take
-        return math.isfinite(local_grad_norm(parameters))
-    return not bool(found.item())
+    engine.__dict__["_ds_engine_clip_norm"] = kept
+    return kept
 
 
 def local_grad_norm(parameters: list[torch.nn.Parameter]) -> float:

@@ -111,7 +111,28 @@ CLIP_AND_SCHEDULES = [
         "ga": 2,
         "steps": STEPS,
         "ds_scheduler": True,
-    }
+    },
+    # fp32 ZeRO-0 clips inside DeepSpeed's step, which has no overflow check of its own there
+    {
+        "backend": "deepspeed",
+        "zero_stage": 0,
+        "precision": "fp32",
+        "inject": INJECT,
+        "ga": 4,
+        "steps": STEPS,
+        "clip": 1.0,
+        "hf_schedule": True,
+    },
+    {
+        "backend": "deepspeed",
+        "zero_stage": 0,
+        "precision": "fp32",
+        "inject": INJECT,
+        "ga": 2,
+        "steps": STEPS,
+        "clip": 1.0,
+        "ds_scheduler": True,
+    },
 ]
 
 
@@ -159,12 +180,14 @@ def test_deepspeed_clip_with_ga4_fp16_and_hf_schedules_and_native_scheduler(deep
     assert len(results) == len(CLIP_AND_SCHEDULES)
     for r in results:
         _check_skips(r)
-    for r in results[:2]:
+    for r in (results[0], results[1], results[3]):
         _hf_linear_lrs(r)
-    native = results[-1]
-    # DeepSpeed's WarmupLR (4 linear warm-up steps to 1e-3) advanced once per applied step
-    assert native["last_epoch"] == native["num_optimizer_steps"] - 1  # its counter starts at -1
-    assert native["records"][-1]["lr"] == pytest.approx(1e-3)
+    for r in results[3:]:  # fp32 ZeRO-0: skipped inside DeepSpeed's step(), where it clips
+        assert r["clip_norm_kept"] and r["deepspeed_skipped_steps"] == len(INJECT), r
+    for native in (results[2], results[4]):
+        # DeepSpeed's WarmupLR (4 linear warm-up steps to 1e-3) advanced once per applied step
+        assert native["last_epoch"] == native["num_optimizer_steps"] - 1  # its counter starts at -1
+        assert native["records"][-1]["lr"] == pytest.approx(1e-3)
 
 
 def test_fallback_skips_non_finite_steps_and_holds_the_schedule():

@@ -33,6 +33,7 @@ def run(s: dict) -> tuple[dict, BaseException | None]:
         zero_stage=s.get("zero_stage", 0),
         precision=s["precision"],
         max_consecutive_skipped_steps=LIMIT,
+        gradient_clipping=s.get("clip", 0.0),
         dist_timeout_s=60,
     )
     torch.manual_seed(0)

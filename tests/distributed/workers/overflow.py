@@ -95,8 +95,12 @@ def run(s: dict) -> dict:
     params_finite = all(
         bool(torch.isfinite(p).all()) for p in engine.unwrap_model(model).parameters() if p.numel() > 0
     )
+    ds = getattr(engine._backend, "ds_engine", None)
     return {
         **s,
+        # fp32 ZeRO-0 with clipping: skipped inside DeepSpeed's step(), counted there as for fp16
+        "clip_norm_kept": ds is not None and "_ds_engine_clip_norm" in vars(ds),
+        "deepspeed_skipped_steps": getattr(ds, "skipped_steps", None),
         "records": records,
         "num_optimizer_steps": engine.num_optimizer_steps,
         "num_skipped_steps": engine.num_skipped_steps,
