@@ -139,12 +139,13 @@ class BoundaryPolicy:
             RuntimeError: The previous micro-step ended a window and its step was not taken, or
                 at GA > 1 a second micro-step began on the same batch of a prepared loader.
         """
-        loader = self.current_loader
+        in_progress, trained_batch = self.loaders_in_progress, self.trained_batch
+        loader = in_progress[-1] if in_progress else None
         if (
             ga > 1
             and loader is not None
+            and trained_batch.get(id(loader)) == loader.batch_index
             and not self.prefetched.get(id(loader))
-            and self.trained_batch.get(id(loader)) == loader.batch_index
         ):
             caller = self._caller()
             raise RuntimeError(
@@ -181,12 +182,12 @@ class BoundaryPolicy:
                     "only at boundaries. Accumulating by hand (`loss / N`, `step()` every N "
                     "micro-steps) needs Engine(gradient_accumulation_steps=1)."
                 )
-        for in_progress in self.loaders_in_progress:  # their current batches are being trained on
-            ahead = self.prefetched.get(id(in_progress))
-            self.trained_batch[id(in_progress)] = ahead.pop(0) if ahead else in_progress.batch_index
-        loader = self.loaders_in_progress[-1] if self.loaders_in_progress else None
+        prefetched = self.prefetched
+        for each in in_progress:  # their current batches are being trained on
+            ahead = prefetched.get(id(each)) if prefetched else None
+            trained_batch[id(each)] = ahead.pop(0) if ahead else each.batch_index
         if loader is not None:
-            index, length = self.trained_batch[id(loader)], loader.known_len()
+            index, length = trained_batch[id(loader)], loader.known_len()
             start = (index // ga) * ga
             window = min(ga, length - start)
             position = index - start

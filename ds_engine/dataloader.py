@@ -57,6 +57,13 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`; other values pass through."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if type(batch) in (tuple, list):  # the default collation's: no namedtuple, no mapping
+        return type(batch)(
+            item.to(device, non_blocking=True)
+            if isinstance(item, torch.Tensor)
+            else move_to_device(item, device)
+            for item in batch
+        )
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device) for k, v in batch.items()}
         try:
@@ -224,6 +231,8 @@ class PreparedDataLoader:
         self._init_position()
         self._stream: StreamWindows | None = None
         """The pass over a stream in progress (or the last one): where its end is known."""
+        self._pass_len: int | None = None
+        """`len(self)` during a pass over map-style data (fixed for the pass)."""
         self._real_samples = 0
         """A stream: the samples of the current global batch that are not padding."""
         self.agreements = 0
@@ -378,8 +387,13 @@ class PreparedDataLoader:
     def known_len(self) -> int:
         """Batches in this epoch as far as known (what the boundary policy reads): `len(self)`,
         or for a stream its length once its end is in sight (`UNKNOWN_LENGTH` before)."""
+        if self._pass_len is not None:  # read once per pass: asked on every micro-step
+            return self._pass_len
         if self.kind != "stream":
-            return len(self)
+            length = len(self)
+            if self.in_progress:  # fixed for the pass (its batches are drawn at its start)
+                self._pass_len = length
+            return length
         if self._stream is not None and self._stream.known_length is not None:
             return self._stream.known_length
         return UNKNOWN_LENGTH
@@ -551,21 +565,26 @@ class PreparedDataLoader:
         self.in_progress = True
         self._left_at, self._restored_epoch = None, None
         finished = False
+        on_batch, after_batch, device = self._on_batch, self._after_batch, self.device
         try:
-            for offset, batch in enumerate(self._batches(start)):
-                self.batch_index = start + offset
-                self._on_batch(self, self.batch_index)
-                yield move_to_device(batch, self.device)
-                if self._after_batch is not None:  # the body of this batch returned (autosave)
-                    self._after_batch(self, self.batch_index)
-                self.batch_index = start + offset + 1
+            self._pass_len = None
+            for index, batch in enumerate(self._batches(start), start):
+                self.batch_index = index
+                on_batch(self, index)
+                yield move_to_device(batch, device)
+                if after_batch is not None:  # the body of this batch returned (autosave)
+                    after_batch(self, index)
+                self.batch_index = index + 1
             finished = True
         finally:
             self.in_progress = False
             self.batch_sampler.skip_batches = 0
             if not finished and start:
                 self._left_at = start  # unless `keep_position` says more was consumed
-            self._on_end(self)
+            try:
+                self._on_end(self)
+            finally:
+                self._pass_len = None
         if not self._epoch_set_explicitly:
             self.batch_sampler.epoch += 1  # reshuffle next epoch, as accelerate does
         self._epoch_set_explicitly = False

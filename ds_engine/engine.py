@@ -55,6 +55,7 @@ from ds_engine.guards import (
     sort_prepare_arguments,
     window_scale,
 )
+from ds_engine.micro_step import MicroStep, run_backward
 from ds_engine.scheduler import OverflowAwareScheduler, PreparedOptimizer, is_scheduler, schedule_reading
 from ds_engine.step_state import StepState
 
@@ -313,8 +314,12 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
 
     def _watch(self, call: str) -> contextlib.AbstractContextManager[None]:
         """Mark `call` for the hang watchdog (`hang_timeout_s`)."""
-        dog = watchdog.for_process(self.config.hang_timeout_s)  # None without a group of several
+        dog = self._watchdog()
         return dog.watch(call, self.step.num_optimizer_steps) if dog is not None else contextlib.nullcontext()
+
+    def _watchdog(self) -> watchdog.Watchdog | None:
+        """This process's hang watchdog; None without a group of several ranks (yet)."""
+        return watchdog.for_process(self.config.hang_timeout_s)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the local main process only."""
@@ -567,29 +572,13 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
         """
         return self._boundary.windows(dataloader, self.config.gradient_accumulation_steps, self._caller)
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-step (forward + backward + optimizer/scheduler calls).
 
         Gradients are reduced across ranks only at an accumulation boundary; `optimizer.step()`,
         `scheduler.step()` and `optimizer.zero_grad()` inside it take effect only there.
         """
-        self._refuse_if_ended("accumulate(model)")
-        self._begin_micro_step()
-        model = models[0] if models else self._model
-        self._in_accumulate = True
-        try:
-            context = (
-                self._backend.micro_step_context(
-                    model, boundary=self.step.boundary, window_start=self.step.window_start
-                )
-                if model is not None
-                else contextlib.nullcontext()
-            )
-            with context:
-                yield
-        finally:
-            self._in_accumulate = False
+        return MicroStep(self, models[0] if models else None)
 
     def backward(self, loss: torch.Tensor, *, num_items: Any = None, **kwargs: Any) -> None:
         """Backward of `loss / window_length`; reduces gradients only at a boundary.
@@ -606,7 +595,8 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
             RuntimeError: No optimizer was prepared, after `end_training()`, or misuse of the
                 accumulation window (the message says which).
         """
-        self._refuse_if_ended("backward(loss)")
+        if self.step.ended:
+            self._refuse_if_ended("backward(loss)")
         if (
             kwargs
             or self._optimizer is None
@@ -618,43 +608,53 @@ class Engine(EngineMetrics, EngineSaving, EngineGeneration):
                 loss, kwargs, self._caller, self._model, self._optimizer, self._refuse_training_while_gathered
             )
         self._refuse_training_while_gathered("engine.backward(loss)")
-        context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        step = self.step
+        items_scale = (  # checked before this micro-step counts the call
+            None
+            if num_items is None
+            else window_scale(num_items, step.window_len, lambda: self.num_processes, self._caller)
+        )
+        context: contextlib.AbstractContextManager[None] | None = None
         if not self._in_accumulate:
             self._begin_micro_step()  # a micro-step of its own, with its own no_sync decision
             if self._model is not None:
                 context = self._backend.micro_step_context(
-                    self._model, boundary=self.step.boundary, window_start=self.step.window_start
+                    self._model, boundary=step.boundary, window_start=step.window_start
                 )
+                context.__enter__()
         else:
             self._boundary.check_second_backward()
-        self.step.micro_backwards += 1
-        self.in_backward = True
-        try:
-            with context, self._watch("backward"):
-                world = lambda: self.num_processes  # noqa: E731  (asked only with num_items)
-                scale = window_scale(num_items, self.step.window_len, world, self._caller)
-                self._backend.backward(loss, scale=scale, boundary=self.step.boundary)
-        finally:
-            self.in_backward = False
-        self.step.grads_pending = True
+        scale = 1.0 / step.window_len if items_scale is None else items_scale
+        step.micro_backwards += 1
+        run_backward(self, loss, scale, context, self._watchdog())
+        step.grads_pending = True
 
     def _begin_micro_step(self) -> None:
         """Decide whether this micro-step ends an accumulation window (`BoundaryPolicy`)."""
         self._boundary.begin_micro_step(self.config.gradient_accumulation_steps)
 
     def _optimizer_step(self) -> None:
-        self.step.refuse_if_ended("optimizer.step()")
+        if self.step.ended:
+            self.step.refuse_if_ended("optimizer.step()")
         self._refuse_training_while_gathered("optimizer.step()")
         if not self._boundary.step_is_due(self._in_accumulate):
             return
-        with self._watch("step"):
+        dog = self._watchdog()
+        if dog is None:
             outcome = self._backend.optimizer_step()
+        else:
+            dog.enter("step", self.step.num_optimizer_steps)
+            try:
+                outcome = self._backend.optimizer_step()
+            finally:
+                dog.exit()
         self._boundary.record_step(
             outcome.applied, outcome.grad_norm, outcome.loss_scale, self.config.max_consecutive_skipped_steps
         )
 
     def _zero_grad(self) -> None:
-        self.step.refuse_if_ended("optimizer.zero_grad()")
+        if self.step.ended:
+            self.step.refuse_if_ended("optimizer.zero_grad()")
         if self._boundary.zero_grad_clears():
             self._backend.zero_grad()  # nothing accumulated since the last step: a plain clear
         # else: mid-window, or at the start of a boundary micro-step: keep accumulating

@@ -78,8 +78,9 @@ def is_gathered(module: torch.nn.Module) -> bool:
 
 
 def any_gathered() -> bool:
-    """True while any module is held whole (a cheap check for the per-step training guard)."""
-    return len(_GATHERED) > 0
+    """True while any module is held whole (a cheap check for the per-step training guard; it may
+    say True for a module being collected, never False while one is held)."""
+    return bool(_GATHERED.data)  # type: ignore[attr-defined]  # the WeakSet's own set
 
 
 def full_parameter_bytes(module: torch.nn.Module) -> int:

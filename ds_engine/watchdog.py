@@ -150,12 +150,15 @@ class Watchdog:
         nested marks keep the outer name."""
         return _Mark(self, call, step)
 
-    def _enter(self, call: str, step: int | None) -> None:
+    def enter(self, call: str, step: int | None = None) -> None:
+        """Mark `call` as in progress until the matching `exit` (what `watch` does, without a
+        context object: for calls made on every micro-step)."""
         if self._depth == 0:
             self._call, self._step, self._since = call, step, time.monotonic()
         self._depth += 1
 
-    def _exit(self) -> None:
+    def exit(self) -> None:
+        """End the mark of the matching `enter`."""
         self._depth -= 1
         if self._depth == 0:
             self._call = None
@@ -273,10 +276,10 @@ class _Mark:
         self._dog, self._call, self._step = dog, call, step
 
     def __enter__(self) -> None:
-        self._dog._enter(self._call, self._step)
+        self._dog.enter(self._call, self._step)
 
     def __exit__(self, *exc: object) -> None:
-        self._dog._exit()
+        self._dog.exit()
 
 
 _PROCESS: Watchdog | None = None

@@ -42,6 +42,8 @@ from ds_engine.config import ConfigError, ResolvedConfig
 from ds_engine.ds_config import deepspeed_bucket_fallbacks, hidden_size_from_model, render_ds_config
 from ds_engine.weights import WeightGather
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every micro-step
+
 
 def _ensure_launch_env() -> None:
     """A plain `python script.py` run is a world of one: give torch.distributed what it needs."""
@@ -83,6 +85,7 @@ class DeepSpeedBackend(Backend):
         self._coalesce: contextlib.ExitStack | None = None
         self._unmanaged = False  # DeepSpeed's managed_gradient_accumulation=false: step() is the boundary
         self._norm_params: tuple[Any, list[torch.nn.Parameter]] | None = None  # (module, its parameters)
+        self._boundary_set: bool | None = None  # what DeepSpeed's boundary flag was last set to
 
     # -------------------------------------------------------------- process group
     def setup_distributed(self) -> None:
@@ -161,6 +164,7 @@ class DeepSpeedBackend(Backend):
         """Destroy and drop the DeepSpeed engine (its hooks, buffers and optimizer state)."""
         engine, self.ds_engine = self.ds_engine, None
         self._ds_config = None
+        self._boundary_set = None
         self._unmanaged = False
         if self._coalesce is not None:
             self._coalesce.close()
@@ -265,6 +269,7 @@ class DeepSpeedBackend(Backend):
         )
         mode_calls_return_the_model(engine)
         self.ds_engine = engine
+        self._boundary_set = None
         self._ds_config = ds_config
         if inference_only:
             return engine, None, None
@@ -345,13 +350,19 @@ class DeepSpeedBackend(Backend):
     def micro_step_context(
         self, model: torch.nn.Module, *, boundary: bool, window_start: bool
     ) -> contextlib.AbstractContextManager[None]:
-        engine = self.ds_engine
         if self._unmanaged:
-            return contextlib.nullcontext()  # DeepSpeed's boundary is the next step()
-        engine.set_gradient_accumulation_boundary(boundary)
+            return _NO_CONTEXT  # DeepSpeed's boundary is the next step()
+        if self._boundary_set is not boundary:
+            self._set_boundary(boundary)
         if self.effective.coalesce_grad_reduction and window_start and self._coalesce is None:
             self._enter_coalesce()
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
+
+    def _set_boundary(self, boundary: bool) -> None:
+        """Set DeepSpeed's accumulation boundary flag, remembered: only a change is set (DeepSpeed
+        changes the flag itself only where `coalesce_grad_reduction` ends, which forgets it)."""
+        self.ds_engine.set_gradient_accumulation_boundary(boundary)
+        self._boundary_set = boundary
 
     def check_in_output_hooks(
         self, model: torch.nn.Module, check: Callable[[], None]
@@ -389,8 +400,8 @@ class DeepSpeedBackend(Backend):
 
     def backward(self, loss: torch.Tensor, *, scale: float, boundary: bool) -> None:
         engine = self.ds_engine
-        if not self._unmanaged:
-            engine.set_gradient_accumulation_boundary(boundary)
+        if not self._unmanaged and self._boundary_set is not boundary:
+            self._set_boundary(boundary)
         # Our own divisor (the real window length, also for a short last window) instead of
         # DeepSpeed's fixed division by the configured GA. Always a new tensor, even for a
         # scale of 1: DeepSpeed's forward hooks its outputs to divide their gradient by GA
@@ -403,9 +414,10 @@ class DeepSpeedBackend(Backend):
         engine = self.ds_engine
         if self._coalesce is not None:
             coalesce, self._coalesce = self._coalesce, None
+            self._boundary_set = None  # DeepSpeed puts back the flag it found on entering
             coalesce.close()  # one reduction pass for the whole window
-        if not self._unmanaged:
-            engine.set_gradient_accumulation_boundary(True)
+        if not self._unmanaged and self._boundary_set is not True:
+            self._set_boundary(True)
         own_norm: float | None = None
         kept: KeptClipNorm | None = None
         low_precision = engine.fp16_enabled() or engine.bfloat16_enabled()

@@ -193,10 +193,10 @@ def clip_norm_kept(engine: Any, *, skip_nonfinite: bool) -> KeptClipNorm | None:
     """
     if not engine.gradient_clipping() > 0.0:
         return None
-    kept = engine.__dict__.get("_ds_engine_clip_norm")
-    if kept is not None:
-        kept.skip_nonfinite = skip_nonfinite
-        return kept  # type: ignore[no-any-return]
+    found: KeptClipNorm | None = engine.__dict__.get("_ds_engine_clip_norm")
+    if found is not None:
+        found.skip_nonfinite = skip_nonfinite
+        return found
     import types
 
     from deepspeed.runtime import engine as engine_module
