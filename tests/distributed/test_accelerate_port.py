@@ -57,10 +57,12 @@ def _run(
             config = str(path)
         if config is not None:
             env["DS_ENGINE_CONFIG"] = config
-    phases = [list(args)] if example != "checkpoint_example.py" else [list(args), [*args, "--resume"]]
-    for i, phase in enumerate(phases):
-        # torch's exit-time abort is tolerated once the results are written (the last phase)
-        launch_example(script, out, *phase, env=env, files=files if i == len(phases) - 1 else ())
+    phases = [(list(args), files)]
+    if example == "checkpoint_example.py":  # a full run that saves a checkpoint, then a resumed one
+        phases = [(list(args), ("full.json",)), ([*args, "--resume"], ("resumed.json",))]
+    for phase, written in phases:
+        # torch's exit-time abort is tolerated once the phase's results are written
+        launch_example(script, out, *phase, env=env, files=written)
     return {name: json.loads((out / name).read_text()) for name in files}
 
 
