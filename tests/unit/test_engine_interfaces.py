@@ -216,3 +216,42 @@ def test_a_group_the_host_formed_is_borrowed_and_outlives_end_training(monkeypat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("surface", ["Engine", "Accelerator"])
+def test_after_the_host_ends_its_group_a_new_engine_runs_in_one_process(monkeypatch, tmp_path, surface):
+    """accelerate keeps its view of the process group process-wide; once the host has ended the
+    group an Engine borrowed, the next Engine of the process runs without one instead of
+    wrapping its model for the group that is gone."""
+    import torch.distributed as dist
+
+    from ds_engine import Accelerator
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "0")  # undone at the end: the Engine sets them from the group
+        monkeypatch.delenv(name)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        engine = Engine(backend="accelerate")
+        engine.prepare(*_model_and_optimizer(), regression_loader())
+        engine.end_training()
+    finally:
+        dist.destroy_process_group()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # a process of its own again, as the host left it
+
+    model, optimizer = _model_and_optimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    fresh = Engine(backend="accelerate") if surface == "Engine" else Accelerator(backend="accelerate")
+    try:
+        wrapped, optimizer, loader = fresh.prepare(model, optimizer, regression_loader())
+        assert not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        for x, y in loader:
+            fresh.backward(torch.nn.functional.mse_loss(wrapped(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert not dist.is_initialized()
+        assert fresh.num_processes == 1
+        assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    finally:
+        fresh.end_training()
