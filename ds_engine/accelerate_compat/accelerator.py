@@ -48,7 +48,6 @@ from ds_engine.accelerate_compat.views import (
     reached_engines,
     two_trained_models,
 )
-from ds_engine.backends.accelerate import forget_a_destroyed_group
 from ds_engine.collectives import map_tensors
 from ds_engine.config import EngineConfig
 from ds_engine.dataloader import PreparedDataLoader
@@ -166,7 +165,6 @@ class Accelerator(Engine):
         # accelerate forms the process group at construction, and its logging / trackers need a
         # PartialState: initialise one on the Engine's group (it adopts the existing group).
         self.ensure_process_group()
-        forget_a_destroyed_group()
         PartialState(cpu=not torch.cuda.is_available())
         if self.is_main_process:
             logging.getLogger("ds_engine").info(SEMANTICS_NOTE)

@@ -49,23 +49,6 @@ from ds_engine.config import ResolvedConfig
 _BASE_DISTRIBUTED_TYPE: Any = None
 
 
-def forget_a_destroyed_group() -> None:
-    """Where no process group is formed but accelerate's process-wide state still describes one
-    (an earlier Engine's, or one the host formed and has ended since), clear that state so the
-    next `PartialState` / `Accelerator` decides afresh instead of wrapping models for, or
-    waiting on, a group that is gone."""
-    global _BASE_DISTRIBUTED_TYPE
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    if process_group.is_initialized():
-        return
-    if PartialState._shared_state.get("distributed_type") in (None, DistributedType.NO):
-        return
-    AcceleratorState._reset_state(reset_partial_state=True)
-    _BASE_DISTRIBUTED_TYPE = None
-
-
 def _global_float(norm: torch.Tensor) -> float:
     """A norm as a float; FSDP's DTensor norms are partial per rank until made full."""
     full_tensor = getattr(norm, "full_tensor", None)
@@ -149,7 +132,6 @@ class AccelerateBackend(Backend):
             "nccl" if torch.cuda.is_available() and not self._cpu_only() else "gloo",
             timedelta(seconds=eff.dist_timeout_s),
         )
-        forget_a_destroyed_group()
         partial = PartialState(cpu=self._cpu_only(), timeout=timedelta(seconds=eff.dist_timeout_s))
         if not formed_before and process_group.is_initialized():
             process_group.mark_formed()
