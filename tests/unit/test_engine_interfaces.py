@@ -187,10 +187,29 @@ def test_deepspeed_capabilities():
         engine.end_training()
 
 
+@pytest.fixture
+def _accelerate_state_kept():
+    """accelerate's view of the process group is process-wide (`PartialState`, and the fallback's
+    record of it): a test that forms and ends a group of its own puts it back as it found it, so
+    the tests after it on the same worker are not told of a group that is gone."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    import ds_engine.backends.accelerate as fallback
+
+    kept = (dict(PartialState._shared_state), dict(AcceleratorState._shared_state))
+    base = fallback._BASE_DISTRIBUTED_TYPE
+    yield
+    for shared, before in zip((PartialState._shared_state, AcceleratorState._shared_state), kept):
+        shared.clear()
+        shared.update(before)
+    fallback._BASE_DISTRIBUTED_TYPE = base
+
+
+@pytest.mark.usefixtures("_accelerate_state_kept")
 def test_a_group_the_host_formed_is_borrowed_and_outlives_end_training(monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "0")  # undone at the end: the Engine sets them from the group
         monkeypatch.delenv(name)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
