@@ -210,7 +210,7 @@ def test_a_group_the_host_formed_is_borrowed_and_outlives_end_training(monkeypat
     import torch.distributed as dist
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "0")  # undone at the end: the Engine sets them from the group
+        monkeypatch.setenv(name, "0")  # undone at the end: the Engine and accelerate set them
         monkeypatch.delenv(name)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
